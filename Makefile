@@ -1,0 +1,45 @@
+# Crucible: one venv, built from nothing. Override TORCH_SPEC for a GPU build, e.g.
+#   make install TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+PYTHON ?= python3.11
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-slow test-all lint system-deps corpus clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m crucible.corpus fetch
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# System packages the tests need (root on Debian): Chromium for browser tests,
+# the PostgreSQL server binaries for the throwaway test cluster.
+system-deps:
+	bash infra/system-deps.sh
+
+corpus: $(STAMP)
+	$(BIN)/python -m crucible.corpus fetch
+
+demo: install
+	$(BIN)/crucible sweep --demo
+
+test: install
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: install
+	$(BIN)/python -m pytest -m "slow" -q
+
+test-all: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check crucible flows api db dashboards tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

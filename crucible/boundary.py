@@ -1,0 +1,156 @@
+"""Boundary codecs: what crosses between pipeline stage s and s+1 (boundary s).
+
+- `none`: the activation X (B, T, d) itself; bf16 on the wire.
+- `ssn`: one fixed orthonormal U (d x k) and one frozen token table Tfix (V x d) shared by every
+  stage and replica. Send C = (X - Tfix[ids]) @ U and the ids; receive C @ U^T + Tfix[ids]. Exact,
+  because every residual write lies in span(U).
+- `mapl`: boundary s has its own trainable basis A_s (d x k, orthonormal columns, owned by the
+  sending stage s); stage p has a trainable anchor table E_p (V x k) and a fixed orthonormal
+  P_p (k x d). Send Z = (X - E_s[ids] @ P_s) @ A_s; the receiver adds its own anchor back:
+  X' = Z @ A_s^T + E_{s+1}[ids] @ P_{s+1}. A_s is kept on the Stiefel manifold by `stiefel_step`
+  (SPEL: Riemannian gradient, momentum, msign direction, msign retraction).
+
+All functions take replica-batched tensors: X (R, B, T, d), ids (R, B, T), bases (R, d, k).
+"""
+from __future__ import annotations
+
+import torch
+
+from crucible.config import Config
+from crucible.seeding import generator
+
+__all__ = ["FixedTensors", "fixed_tensors", "encode", "decode", "message_width", "wire_bytes",
+           "msign", "retract", "stiefel_step"]
+
+_SUBSPACE_STREAM = 0x55A5
+
+
+class FixedTensors:
+    """The never-trained tensors of a compression arm (shared seed, never synchronised)."""
+
+    def __init__(self, subspace: torch.Tensor | None = None, token_table: torch.Tensor | None = None,
+                 anchors_fixed: list[torch.Tensor] | None = None) -> None:
+        self.subspace = subspace            # U (d, k), ssn
+        self.token_table = token_table      # Tfix (V, d), ssn
+        self.anchors_fixed = anchors_fixed  # P_p (k, d) per stage, mapl
+
+    def to(self, device: torch.device) -> FixedTensors:
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return FixedTensors(move(self.subspace), move(self.token_table),
+                            None if self.anchors_fixed is None else [move(p) for p in self.anchors_fixed])
+
+
+def _orthonormal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))[None, :]   # unique QR: deterministic sign
+    return q.float()
+
+
+def fixed_tensors(config: Config) -> FixedTensors:
+    """U and Tfix (ssn) or the fixed anchor projections P_p (mapl), from the shared subspace seed."""
+    pipe, m = config.pipeline, config.model
+    k = m.d_model // pipe.factor
+    gen = generator(pipe.subspace_seed, _SUBSPACE_STREAM)
+    if pipe.compression == "ssn":
+        subspace = _orthonormal(m.d_model, k, gen)
+        token_table = torch.randn(m.vocab_size, m.d_model, generator=gen)
+        return FixedTensors(subspace=subspace, token_table=token_table)
+    if pipe.compression == "mapl":
+        return FixedTensors(anchors_fixed=[_orthonormal(m.d_model, k, gen).T.contiguous()
+                                           for _ in range(pipe.stages)])
+    return FixedTensors()
+
+
+def initial_basis(config: Config, stage: int) -> torch.Tensor:
+    """A_s at initialisation: QR of a Gaussian (seeded per boundary)."""
+    k = config.model.d_model // config.pipeline.factor
+    return _orthonormal(config.model.d_model, k, generator(config.seed, _SUBSPACE_STREAM, stage))
+
+
+def _anchor(params: dict[str, torch.Tensor], ids: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    table = params["anchor"]                                   # (R, V, k)
+    rows = torch.arange(table.shape[0], device=ids.device)[:, None, None]
+    return table[rows, ids] @ fixed                            # (R, B, T, d)
+
+
+def encode(kind: str, x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor],
+           stage: int, fixed: FixedTensors) -> torch.Tensor:
+    """The message stage `stage` sends over boundary `stage`."""
+    if kind == "none":
+        return x
+    if kind == "ssn":
+        return (x - fixed.token_table[ids]) @ fixed.subspace
+    anchors = fixed.anchors_fixed
+    assert anchors is not None
+    centred = x - _anchor(sender, ids, anchors[stage])
+    return torch.matmul(centred.flatten(1, 2), sender["basis"]).view(*x.shape[:3], -1)
+
+
+def decode(kind: str, message: torch.Tensor, ids: torch.Tensor, *, receiver: dict[str, torch.Tensor],
+           stage: int, basis: torch.Tensor | None, fixed: FixedTensors) -> torch.Tensor:
+    """What stage `stage` reconstructs from a message; `basis` (R, d, k) is the mapl basis to
+    decode with (the sender's, or the receiver's under the naive bypass decode)."""
+    if kind == "none":
+        return message
+    if kind == "ssn":
+        return message @ fixed.subspace.T + fixed.token_table[ids]
+    anchors = fixed.anchors_fixed
+    assert anchors is not None and basis is not None
+    R, B, T, k = message.shape
+    x = torch.matmul(message.reshape(R, B * T, k), basis.transpose(1, 2)).view(R, B, T, -1)
+    return x + _anchor(receiver, ids, anchors[stage])
+
+
+def message_width(config: Config) -> int:
+    """Values per token that cross a boundary."""
+    if config.pipeline.compression == "none":
+        return config.model.d_model
+    return config.model.d_model // config.pipeline.factor
+
+
+def wire_bytes(config: Config) -> tuple[int, int]:
+    """(forward, backward) bytes per token per boundary crossing: values at bf16, plus the token
+    id forward for the compressed arms (the receiver needs it for Tfix / its anchor)."""
+    width = message_width(config)
+    id_bytes = 0
+    if config.pipeline.compression != "none":
+        V = config.model.vocab_size
+        id_bytes = 1 if V <= 256 else 2 if V <= 65536 else 4
+    return 2 * width + id_bytes, 2 * width
+
+
+def msign(m: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximate polar factor of tall matrices m (R, d, k) by quintic Newton-Schulz iterations
+    (the direction of a Stiefel step; exact orthonormality is not needed there)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = m / (m.flatten(1).norm(dim=1)[:, None, None] + 1e-7)
+    for _ in range(steps):
+        gram = x.transpose(1, 2) @ x
+        x = a * x + x @ (b * gram + c * gram @ gram)
+    return x
+
+
+def retract(a: torch.Tensor, steps: int) -> torch.Tensor:
+    """Polar retraction onto the Stiefel manifold by cubic Newton-Schulz iterations; converges
+    quadratically for the near-orthonormal inputs it gets (singular values within (0, sqrt 3))."""
+    x = a
+    for _ in range(steps):
+        x = 1.5 * x - 0.5 * x @ (x.transpose(1, 2) @ x)
+    return x
+
+
+@torch.no_grad()
+def stiefel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, lr: float,
+                 beta: float, steps: int, mask: torch.Tensor) -> None:
+    """One SPEL update of the replicas selected by `mask` (R,), in place on `basis` and
+    `momentum`: g_R = g - A sym(A^T g); m = beta m + (1-beta) g_R; A = retract(A - lr msign(m))."""
+    if not bool(mask.any()):
+        return
+    sym = basis.transpose(1, 2) @ grad
+    sym = 0.5 * (sym + sym.transpose(1, 2))
+    riemannian = grad - basis @ sym
+    new_momentum = beta * momentum + (1 - beta) * riemannian
+    new_basis = retract(basis - lr * msign(new_momentum, steps), steps)
+    keep = mask[:, None, None]
+    momentum.copy_(torch.where(keep, new_momentum, momentum))
+    basis.copy_(torch.where(keep, new_basis, basis))

@@ -1,0 +1,118 @@
+"""Training data: a token stream, a held-out validation tail, and per-replica seeded sampling.
+
+Sources (`data.path`): None -> the cached Shakespeare corpus (`crucible.corpus`); a text file ->
+its UTF-8 bytes as byte-level tokens; a folder -> its `*.bin` shards (uint16, nanoGPT layout) if
+any, else its `*.txt` files in sorted order; a `.bin` file -> one shard. The last `val_fraction`
+of the stream is the validation split. Each replica draws window offsets from its own generator,
+seeded by (seed, replica), so the data order is the same in every arm at the same seed.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from crucible.config import ConfigError, DataConfig, ModelConfig
+from crucible.seeding import DATA_STREAM, generator
+
+__all__ = ["TokenData", "load_tokens"]
+
+log = logging.getLogger(__name__)
+
+def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
+    """Load the token stream named by `data.path` as a 1-D integer array."""
+    if path is None:
+        from crucible.corpus import default_corpus_path
+        return _bytes_tokens(default_corpus_path().read_bytes())
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ConfigError(f"data.path={path!r} does not exist; point it at a text file, a folder "
+                          "of .txt files or of .bin shards, or unset it for the default corpus")
+    if source.is_file():
+        tokens = _bin_tokens([source]) if source.suffix == ".bin" else _bytes_tokens(source.read_bytes())
+    else:
+        shards = sorted(source.glob("*.bin"))
+        if shards:
+            tokens = _bin_tokens(shards)
+        else:
+            texts = sorted(source.glob("*.txt"))
+            if not texts:
+                raise ConfigError(f"data.path={path!r} holds no *.bin shards and no *.txt files")
+            tokens = _bytes_tokens(b"\n\n".join(p.read_bytes() for p in texts))
+    top = int(tokens.max()) if tokens.size else 0
+    if top >= vocab_size:
+        raise ConfigError(f"data.path={path!r} has token id {top} >= model.vocab_size="
+                          f"{vocab_size}; set model.vocab_size to at least {top + 1}")
+    return tokens
+
+
+def _bytes_tokens(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+
+
+def _bin_tokens(shards: list[Path]) -> np.ndarray:
+    parts = []
+    for shard in shards:
+        if shard.stat().st_size % 2:
+            raise ConfigError(f"shard {shard} has an odd byte count; .bin shards are uint16 tokens")
+        parts.append(np.memmap(shard, dtype=np.uint16, mode="r").astype(np.int64))
+    return np.concatenate(parts)
+
+
+class TokenData:
+    """Train/validation windows of `seq_len + 1` tokens, sampled per replica.
+
+    `batch(replica=r)` draws from that replica's generator; `state_dict()` captures every
+    generator so a resumed run continues the same sequence.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, model: ModelConfig, data: DataConfig,
+                 replicas: int, seed: int) -> None:
+        self.seq_len = model.seq_len
+        n_val = max(int(len(tokens) * data.val_fraction), self.seq_len + 2)
+        if len(tokens) - n_val < 4 * (self.seq_len + 1):
+            raise ConfigError(f"corpus of {len(tokens)} tokens is too small for model.seq_len="
+                              f"{self.seq_len}; use a larger data.path or a shorter seq_len")
+        self.train = torch.from_numpy(np.ascontiguousarray(tokens[:-n_val]))
+        self.val = torch.from_numpy(np.ascontiguousarray(tokens[-n_val:]))
+        self.generators = [generator(seed, DATA_STREAM, r) for r in range(replicas)]
+        self.epoch_tokens = len(self.train)
+
+    def batch(self, *, replica: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (B, T) int64, for one replica's next micro-batch."""
+        high = len(self.train) - self.seq_len - 1
+        offsets = torch.randint(0, high, (batch_size,), generator=self.generators[replica])
+        return _windows(self.train, offsets, self.seq_len)
+
+    def batches(self, *, replicas: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch per replica, stacked: (R, B, T) inputs and targets."""
+        pairs = [self.batch(replica=r, batch_size=batch_size) for r in range(replicas)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def validation(self, *, batches: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed held-out set: the same windows for every run, seed and arm."""
+        count = batches * batch_size
+        high = len(self.val) - self.seq_len - 1
+        stride = max(1, high // count)
+        offsets = (torch.arange(count) * stride) % max(high, 1)
+        x, y = _windows(self.val, offsets, self.seq_len)
+        return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, count, batch_size)]
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {"generators": [g.get_state() for g in self.generators]}
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        if len(state["generators"]) != len(self.generators):
+            raise ValueError(f"checkpoint has {len(state['generators'])} data streams, "
+                             f"run has {len(self.generators)} replicas")
+        for gen, gen_state in zip(self.generators, state["generators"], strict=True):
+            gen.set_state(gen_state)
+
+
+def _windows(stream: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = offsets[:, None] + torch.arange(seq_len + 1)[None, :]
+    window = stream[index]
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+

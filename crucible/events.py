@@ -1,0 +1,175 @@
+"""Metrics and events: what a training run reports, and the one callback interface it reports through.
+
+The trainer never talks to files, HTTP or SQL itself; it calls a `Callback`. `JsonlCallback`
+writes `metrics.jsonl` / `events.jsonl`; the registry client (`crucible.reporting`) batches the
+same records to the API. Event ids are deterministic (kind, global step, replica, stage, ordinal),
+so a resumed run that re-emits the events of replayed steps produces the same ids, and an
+idempotent sink stores each event exactly once. Metrics are keyed by (name, global_step, replica).
+
+Event kinds: failure_start, bypass, rejoin, contribution_missing, contribution_rejected, reroute.
+Metric names: train_loss (per replica), val_loss (global model, replica None), tokens (cumulative).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["EVENT_KINDS", "METRIC_NAMES", "Metric", "Event", "Callback", "JsonlCallback",
+           "MultiCallback", "NullCallback", "event_id"]
+
+EVENT_KINDS = ("failure_start", "bypass", "rejoin", "contribution_missing",
+               "contribution_rejected", "reroute")
+METRIC_NAMES = ("train_loss", "val_loss", "tokens")
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    global_step: int
+    value: float
+    tokens: int | None = None
+    replica: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def event_id(kind: str, global_step: int, replica: int | None, stage: int | None,
+             ordinal: int = 0) -> str:
+    """Deterministic id of an event, unique within a run."""
+    r = "-" if replica is None else str(replica)
+    s = "-" if stage is None else str(stage)
+    return f"{kind}:{global_step}:{r}:{s}:{ordinal}"
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    global_step: int
+    replica: int | None = None
+    stage: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"event kind {self.kind!r} unknown; allowed: {', '.join(EVENT_KINDS)}")
+        if not self.id:
+            object.__setattr__(self, "id", event_id(self.kind, self.global_step,
+                                                    self.replica, self.stage))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Callback(Protocol):
+    """Receives a run's metrics and events. `flush` is called after every global step and must
+    make everything received so far durable; `close` ends the run's reporting."""
+
+    def metric(self, item: Metric) -> None: ...
+    def event(self, item: Event) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullCallback:
+    def metric(self, item: Metric) -> None:
+        pass
+
+    def event(self, item: Event) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MultiCallback:
+    """Fans every call out to several callbacks, in order."""
+
+    def __init__(self, *callbacks: Callback) -> None:
+        self.callbacks = list(callbacks)
+
+    def metric(self, item: Metric) -> None:
+        for cb in self.callbacks:
+            cb.metric(item)
+
+    def event(self, item: Event) -> None:
+        for cb in self.callbacks:
+            cb.event(item)
+
+    def flush(self) -> None:
+        for cb in self.callbacks:
+            cb.flush()
+
+    def close(self) -> None:
+        for cb in self.callbacks:
+            cb.close()
+
+
+class JsonlCallback:
+    """Appends metrics and events to `metrics.jsonl` / `events.jsonl` in `out_dir`.
+
+    Records are de-duplicated by key, so a resumed run that replays steps leaves each record once:
+    on open, existing files are read and their keys remembered.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.events_path = self.out_dir / "events.jsonl"
+        self._metric_keys = {self._metric_key(r) for r in _read_jsonl(self.metrics_path)}
+        self._event_ids = {r["id"] for r in _read_jsonl(self.events_path)}
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        self._events = open(self.events_path, "a", encoding="utf-8")
+
+    @staticmethod
+    def _metric_key(record: dict[str, Any]) -> tuple[Any, ...]:
+        return (record["name"], record["global_step"], record.get("replica"))
+
+    def metric(self, item: Metric) -> None:
+        record = item.to_dict()
+        key = self._metric_key(record)
+        if key in self._metric_keys:
+            return
+        self._metric_keys.add(key)
+        self._metrics.write(json.dumps(record) + "\n")
+
+    def event(self, item: Event) -> None:
+        if item.id in self._event_ids:
+            return
+        self._event_ids.add(item.id)
+        self._events.write(json.dumps(item.to_dict()) + "\n")
+
+    def flush(self) -> None:
+        for fh in (self._metrics, self._events):
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def close(self) -> None:
+        self.flush()
+        self._metrics.close()
+        self._events.close()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                # a torn last line from a killed process: it was never flushed, so drop it
+                continue
+    return records

@@ -1,0 +1,151 @@
+"""The outer synchronisation of one global step, stage by stage, through the object store.
+
+For every stage s: each replica whose stage trained this round encodes its pseudo-gradient
+`theta_global - theta_r` (SparseLoCo: error feedback, top-k, 2 bits; DiLoCo: dense fp32) and
+uploads it; the agreed set is fixed once in a manifest; every peer aggregates exactly that set;
+the outer SGD step updates the global weights; every replica of the stage, including a passive
+(failed) one, takes the new global weights. `ddp` has no outer round: its gradients are averaged
+every inner step, and here only the global copy is refreshed.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from crucible import boundary
+from crucible.config import Config
+from crucible.gather import agree, load_agreed, upload_contribution
+from crucible.pipeline import ReplicatedPipeline
+from crucible.sparseloco import (OuterSGD, aggregate, decode_contribution, decode_dense,
+                                 encode_contribution, encode_dense)
+from crucible.store import Store
+
+__all__ = ["StageSyncResult", "OuterSync"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageSyncResult:
+    stage: int
+    made: list[int] = field(default_factory=list)             # replicas that uploaded
+    missing: list[int] = field(default_factory=list)          # replicas that did not
+    rejected: dict[int, str] = field(default_factory=dict)    # replica -> reason
+    upload_bytes: int = 0
+    dense_bytes: int = 0
+    applied: bool = False
+
+
+class OuterSync:
+    """Holds the global weights, the error buffers and the outer optimisers of every stage."""
+
+    def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str) -> None:
+        self.config, self.model, self.store, self.run_key = config, model, store, run_key
+        self.method = config.sparseloco.method
+        S, R = config.pipeline.stages, config.replicas
+        self.global_weights = [model.replica_weights(replica=0, stage=s) for s in range(S)]
+        self.shapes = [{n: tuple(t.shape) for n, t in w.items()} for w in self.global_weights]
+        # error buffers (R, ...) per stage and parameter, fp32, on the training device
+        self.errors = [{n: torch.zeros((R, *t.shape), dtype=torch.float32, device=t.device)
+                        for n, t in w.items()} for w in self.global_weights]
+        momentum = config.sparseloco.outer_momentum if self.method == "diloco" else 0.0
+        self.outer = [OuterSGD(lr=config.sparseloco.resolved_outer_lr, momentum=momentum,
+                               nesterov=momentum > 0) for _ in range(S)]
+
+    def reset_error(self, *, replica: int, stage: int) -> None:
+        for buf in self.errors[stage].values():
+            buf[replica].zero_()
+
+    def param_count(self) -> int:
+        return sum(t.numel() for w in self.global_weights for t in w.values())
+
+    # -- one round -------------------------------------------------------------------------------
+    def synchronise(self, global_step: int, contributes: torch.Tensor) -> list[StageSyncResult]:
+        """Run the outer round for every stage; `contributes` (R, S) says which stage-replicas
+        trained this round and so upload a contribution."""
+        results = []
+        for stage in range(self.config.pipeline.stages):
+            if self.method == "ddp":
+                results.append(self._ddp_refresh(stage, contributes[:, stage]))
+            else:
+                results.append(self._sync_stage(global_step, stage, contributes[:, stage]))
+        return results
+
+    def _sync_stage(self, global_step: int, stage: int, contributes: torch.Tensor) -> StageSyncResult:
+        result = StageSyncResult(stage=stage)
+        dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
+        for replica in range(self.config.replicas):
+            if not bool(contributes[replica]):
+                result.missing.append(replica)
+                continue
+            blob = self._encode(global_step, stage, replica)
+            upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
+            result.made.append(replica)
+            result.upload_bytes += len(blob)
+            result.dense_bytes += dense_per
+        decode = self._decoder(global_step, stage)
+        manifest = agree(self.store, self.run_key, global_step, stage,
+                         expected_replicas=self.config.replicas, decode=decode)
+        result.rejected = {r.replica: r.reason for r in manifest.rejected}
+        contributions = load_agreed(self.store, manifest, decode)
+        if contributions:
+            mode = self.config.sparseloco.aggregate
+            update = aggregate(contributions, self.shapes[stage], mode=mode,
+                               clip=self.method == "sparseloco")
+            device = next(iter(self.global_weights[stage].values())).device
+            self.outer[stage].step(self.global_weights[stage],
+                                   {n: u.to(device) for n, u in update.items()})
+            self._retract(stage)
+            result.applied = True
+        self.model.set_stage(stage, self.global_weights[stage])
+        return result
+
+    def _encode(self, global_step: int, stage: int, replica: int) -> bytes:
+        local = self.model.replica_weights(replica=replica, stage=stage)
+        delta = {n: (self.global_weights[stage][n] - local[n]).float().cpu() for n in local}
+        if self.method == "diloco":
+            return encode_dense(delta, stage=stage, replica=replica, global_step=global_step)
+        sl = self.config.sparseloco
+        error = {n: buf[replica].cpu() for n, buf in self.errors[stage].items()}
+        blob, new_error = encode_contribution(delta, error, beta=sl.beta, stage=stage,
+                                              replica=replica, global_step=global_step,
+                                              chunk=sl.chunk, topk=sl.topk)
+        for n, buf in self.errors[stage].items():
+            buf[replica].copy_(new_error[n])
+        return blob
+
+    def _decoder(self, global_step: int, stage: int):
+        shapes, sl = self.shapes[stage], self.config.sparseloco
+        if self.method == "diloco":
+            return lambda blob: decode_dense(blob, shapes, stage=stage, global_step=global_step)
+        return lambda blob: decode_contribution(blob, shapes, stage=stage, global_step=global_step,
+                                                chunk=sl.chunk, topk=sl.topk)
+
+    def _retract(self, stage: int) -> None:
+        weights = self.global_weights[stage]
+        if "basis" in weights:  # MAPL: back onto the Stiefel manifold after the outer step
+            steps = self.config.pipeline.mapl_ns_steps
+            weights["basis"].copy_(boundary.retract(weights["basis"][None], steps)[0])
+
+    def _ddp_refresh(self, stage: int, trained: torch.Tensor) -> StageSyncResult:
+        # ddp replicas that trained hold identical weights (same averaged gradients each step)
+        result = StageSyncResult(stage=stage, applied=bool(trained.any()))
+        result.made = [r for r in range(self.config.replicas) if bool(trained[r])]
+        result.missing = [r for r in range(self.config.replicas) if not bool(trained[r])]
+        if result.applied:
+            source = int(torch.nonzero(trained)[0])
+            self.global_weights[stage] = self.model.replica_weights(replica=source, stage=stage)
+        self.model.set_stage(stage, self.global_weights[stage])
+        return result
+
+    def state_dict(self) -> dict[str, object]:
+        return {"global_weights": self.global_weights, "errors": self.errors,
+                "outer": [o.state_dict() for o in self.outer]}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.global_weights = [{n: t.clone() for n, t in w.items()} for w in state["global_weights"]]  # type: ignore[union-attr]
+        self.errors = [{n: t.clone() for n, t in e.items()} for e in state["errors"]]  # type: ignore[union-attr]
+        for opt, st in zip(self.outer, state["outer"], strict=True):  # type: ignore[arg-type]
+            opt.load_state_dict(st)

@@ -1,0 +1,360 @@
+"""The trainer: R replicas x S stages, H inner AdamW steps per global step, then the outer sync.
+
+    global_step(g):
+        draw faults          -> who is down, rejoin resets, what each strategy does about it
+        inner steps (H)      -> every replica through its live stages (bypass / drop / reroute)
+        outer sync           -> contributions -> agreed set -> aggregate -> outer step -> rejoin
+        report               -> metrics, events, evaluation, checkpoint
+
+`train(config, out_dir=...)` is the library entry point used by the CLI and the flows; it writes
+`summary.json`, `metrics.jsonl` and `events.jsonl` into `out_dir` and checkpoints to the store.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crucible import boundary
+from crucible.checkpoint import load_latest, save_checkpoint
+from crucible.config import Config
+from crucible.data import TokenData, load_tokens
+from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
+from crucible.faults import FaultPlan, draw_plan
+from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
+from crucible.pipeline import ReplicatedPipeline
+from crucible.presets import tokens_per_global_step
+from crucible.store import Store, open_store
+from crucible.strategy import StepPlan, plan_step
+from crucible.summary import RunCounters, write_json_atomic
+from crucible.sync import OuterSync
+
+__all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite: deterministic, retrying will not help."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is available; use auto or cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    """One run. Construct, then `run()`; `global_step(g)` is one outer round."""
+
+    def __init__(self, config: Config, *, store: Store, run_key: str,
+                 callback: Callback, plan: FaultPlan | None = None) -> None:
+        self.config, self.store, self.run_key, self.callback = config, store, run_key, callback
+        self.device = resolve_device(config.train.device)
+        self.R, self.S, self.H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
+        self.model = ReplicatedPipeline(config).to_device(self.device)
+        self.optimizer = ReplicaAdamW([self.model.stage_params(s) for s in range(self.S)],
+                                      self.model.layouts, train=config.train, replicas=self.R)
+        self.stiefel_momentum = {s: torch.zeros_like(p["basis"]) for s in range(self.S)
+                                 if "basis" in (p := self.model.stage_params(s))}
+        self.sync = OuterSync(config, self.model, store=store, run_key=run_key)
+        tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
+        self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
+                              seed=config.seed)
+        self.validation = self.data.validation(batches=config.train.eval_batches,
+                                               batch_size=config.train.batch_size)
+        self.max_steps = self._max_steps()
+        faults = config.faults
+        self.plan = plan if plan is not None else draw_plan(
+            seed=config.seed, p=faults.p, duration=faults.duration, replicas=self.R,
+            stages=self.S, horizon=self.max_steps)
+        self.plan.validate(replicas=self.R, stages=self.S)
+        self.counters = RunCounters.empty(replicas=self.R, stages=self.S)
+        self.next_step = 0
+
+    def _max_steps(self) -> int:
+        steps = self.config.train.global_steps
+        if self.config.faults.strategy == "drop_extend" and self.config.faults.p > 0:
+            return steps * (self.config.faults.duration + 1) + self.config.faults.duration
+        return steps
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, *, on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        if self.counters.initial_val_loss is None:
+            self.counters.initial_val_loss = self.evaluate()
+            self.counters.evals.append({"global_step": 0, "tokens": 0,
+                                        "val_loss": self.counters.initial_val_loss})
+        budget = tokens_per_global_step(self.config) * self.config.train.global_steps
+        while not self._finished(budget):
+            self.global_step(self.next_step)
+            self.next_step += 1
+            if on_step:
+                on_step(self.next_step, self._target_steps(budget))
+            self._maybe_evaluate(budget)
+            self.callback.flush()
+            self._maybe_checkpoint(started, budget)
+        self.counters.wall_s += time.perf_counter() - started
+        return self.counters.summary(self.config, plan=self.plan.until(self.next_step),
+                                     tokens_budget=budget, global_steps=self.next_step,
+                                     synced_params=self.sync.param_count())
+
+    def _finished(self, budget: int) -> bool:
+        if self.next_step < self.config.train.global_steps:
+            return False
+        if self.config.faults.strategy != "drop_extend":
+            return True
+        return self.counters.tokens_processed >= budget or self.next_step >= self.max_steps
+
+    def _target_steps(self, budget: int) -> int:
+        if self._finished(budget):
+            return self.next_step
+        return max(self.config.train.global_steps, self.next_step + 1)
+
+    def global_step(self, g: int) -> None:
+        """One outer round: faults -> H inner steps -> outer sync -> report."""
+        step = plan_step(self.plan, g, config=self.config)
+        self._apply_rejoins(g)
+        self._report_faults(g, step)
+        losses = self._inner_steps(g, step)
+        results = self.sync.synchronise(g, step.contributes)
+        self.counters.record_sync(g, results, self.callback)
+        self.counters.record_step(step, h=self.H, tokens_per_replica=self._tokens_per_replica(),
+                                  config=self.config)
+        for replica, loss in losses.items():
+            self.callback.metric(Metric("train_loss", g, loss, replica=replica,
+                                        tokens=self.counters.tokens_processed))
+        self.callback.metric(Metric("tokens", g, float(self.counters.tokens_processed),
+                                    tokens=self.counters.tokens_processed))
+
+    def _tokens_per_replica(self) -> int:
+        return self.H * self.config.train.batch_size * self.config.model.seq_len
+
+    # -- faults ----------------------------------------------------------------------------------
+    def _apply_rejoins(self, g: int) -> None:
+        for failure in self.plan.rejoining(g):
+            r, s = failure.replica, failure.stage
+            self.optimizer.reset(replica=r, stage=s)
+            self.sync.reset_error(replica=r, stage=s)
+            reset = ["adamw_moments", "adamw_step", "error_feedback"]
+            if s in self.stiefel_momentum:
+                self.stiefel_momentum[s][r].zero_()
+                reset.append("stiefel_momentum")
+            self.callback.event(Event("rejoin", g, replica=r, stage=s,
+                                      detail={"reset": reset, "down_steps": failure.duration}))
+
+    def _report_faults(self, g: int, step: StepPlan) -> None:
+        strategy = self.config.faults.strategy
+        for failure in self.plan.starting(g):
+            self.callback.event(Event("failure_start", g, replica=failure.replica, stage=failure.stage,
+                                      detail={"duration": failure.duration, "strategy": strategy}))
+        for replica, stage in step.down_pairs():
+            detail: dict[str, Any] = {"strategy": strategy}
+            donor = step.donors.get((replica, stage))
+            if donor is not None:
+                detail["donor"] = donor
+                self.callback.event(Event("reroute", g, replica=replica, stage=stage,
+                                          detail={"donor": donor}))
+            self.callback.event(Event("bypass", g, replica=replica, stage=stage, detail=detail))
+
+    # -- inner steps -----------------------------------------------------------------------------
+    def _inner_steps(self, g: int, step: StepPlan) -> dict[int, float]:
+        totals = torch.zeros(self.R, dtype=torch.float64)
+        bypass = step.bypass.to(self.device)
+        route = {s: idx.to(self.device) for s, idx in step.route.items()}
+        weights = step.loss_weight.to(self.device)
+        active = step.active.to(self.device)
+        total_inner = self.config.train.global_steps * self.H
+        for h in range(self.H):
+            ids, targets = self.data.batches(replicas=self.R, batch_size=self.config.train.batch_size)
+            lr = lr_at(g * self.H + h, train=self.config.train, total_steps=total_inner)
+            with self._autocast():
+                losses = self.model(ids.to(self.device), targets.to(self.device),
+                                    bypass=bypass, route=route)
+            if not bool(torch.isfinite(losses[step.loss_weight.bool()]).all()):
+                raise TrainingDiverged(f"non-finite training loss at global step {g}, inner step "
+                                       f"{h}: {losses.tolist()}")
+            (losses * weights).sum().backward()
+            self._update(lr, active)
+            totals += losses.detach().double().cpu()
+        return {r: float(totals[r] / self.H) for r in range(self.R) if step.loss_weight[r] > 0}
+
+    def _update(self, lr: float, active: torch.Tensor) -> None:
+        if self.config.sparseloco.method == "ddp":
+            self._all_reduce(active)
+        clip_per_replica(self.optimizer.parameters(), self.config.train.grad_clip)
+        self.optimizer.step(lr=lr, active=active)
+        pipe = self.config.pipeline
+        for s, momentum in self.stiefel_momentum.items():
+            basis = self.model.stage_params(s)["basis"]
+            if basis.grad is not None:
+                boundary.stiefel_step(basis.data, basis.grad, momentum, lr=lr * pipe.mapl_lr_scale,
+                                      beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps,
+                                      mask=active[:, s])
+        self.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _all_reduce(self, active: torch.Tensor) -> None:
+        """ddp: every stage's gradient becomes the mean over the replicas that trained it."""
+        for s in range(self.S):
+            mask = active[:, s]
+            if not bool(mask.any()):
+                continue
+            count = mask.sum()
+            for p in self.model.stage_params(s).values():
+                if p.grad is None:
+                    continue
+                view = (-1,) + (1,) * (p.dim() - 1)
+                mean = (p.grad * mask.view(view)).sum(0, keepdim=True) / count
+                p.grad.copy_(mean.expand_as(p.grad))
+            self.counters.bytes_upload += int(mask.sum()) * 4 * sum(
+                p.numel() // self.R for p in self.model.stage_params(s).values())
+            self.counters.bytes_dense += int(mask.sum()) * 4 * sum(
+                p.numel() // self.R for p in self.model.stage_params(s).values())
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.config.train.dtype == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    # -- evaluation and checkpoints --------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss of the global model (replica 0 holds the global weights after every
+        outer step), all stages, no bypass."""
+        select = torch.tensor([0], device=self.device)
+        total = 0.0
+        for ids, targets in self.validation:
+            with self._autocast():
+                loss = self.model(ids[None].to(self.device), targets[None].to(self.device), select=select)
+            total += float(loss[0])
+        return total / len(self.validation)
+
+    def _maybe_evaluate(self, budget: int) -> None:
+        g = self.next_step
+        if g % self.config.train.eval_every == 0 or self._finished(budget):
+            val = self.evaluate()
+            if not torch.isfinite(torch.tensor(val)):
+                raise TrainingDiverged(f"validation loss is {val} after global step {g}")
+            self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,
+                                        "val_loss": val})
+            self.callback.metric(Metric("val_loss", g, val, tokens=self.counters.tokens_processed))
+
+    def _maybe_checkpoint(self, started: float, budget: int) -> None:
+        every = self.config.train.checkpoint_every
+        if not every or self.next_step % every or self._finished(budget):
+            return
+        wall = self.counters.wall_s
+        self.counters.wall_s = wall + time.perf_counter() - started
+        save_checkpoint(self.store, self.run_key, global_step=self.next_step,
+                        config_json=self.config.to_json(), state=self.state_dict())
+        self.counters.wall_s = wall
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "stiefel": {str(s): m.cpu() for s, m in self.stiefel_momentum.items()},
+                "sync": self.sync.state_dict(), "data": self.data.state_dict(),
+                "counters": self.counters.state_dict(), "plan": self.plan.to_list(),
+                "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for s, m in self.stiefel_momentum.items():
+            m.copy_(state["stiefel"][str(s)])
+        self.sync.load_state_dict(state["sync"])
+        self.data.load_state_dict(state["data"])
+        self.counters.load_state_dict(state["counters"])
+        self.plan = FaultPlan.from_list(state["plan"])
+        self.next_step = int(state["next_step"])
+
+
+def _versions() -> dict[str, str]:
+    import platform
+
+    import crucible
+    from crucible.summary import git_sha
+    return {"crucible": crucible.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "git_sha": git_sha()}
+
+
+def _run_identity(out_dir: Path, config: Config, resume: bool) -> tuple[str, str]:
+    """The run's store key and store URL, fixed on the first start and reused on resume."""
+    path = out_dir / "run.json"
+    if resume and path.exists():
+        ident = json.loads(path.read_text())
+        return ident["run_key"], ident["store_url"]
+    store_url = config.store.url or (out_dir / "store").resolve().as_uri()
+    ident = {"run_key": f"run-{uuid.uuid4().hex[:12]}", "store_url": store_url}
+    write_json_atomic(path, ident)
+    return ident["run_key"], ident["store_url"]
+
+
+def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback | None = None,
+          resume: bool = False, progress: bool = False, plan: FaultPlan | None = None,
+          on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Train one run and write `summary.json`, `metrics.jsonl`, `events.jsonl` into `out_dir`.
+
+    With `resume=True` and a checkpoint in the run's store, training continues from it and ends
+    with the same numbers as an uninterrupted run. Raises `ConfigError` for a bad configuration,
+    `TrainingDiverged` for a non-finite loss and `StoreError` for store failures.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run_key, store_url = _run_identity(out, config, resume)
+    store = open_store(store_url, endpoint_url=config.store.endpoint_url, region=config.store.region)
+    sinks = JsonlCallback(out)
+    sink: Callback = MultiCallback(sinks, callback) if callback is not None else sinks
+    trainer = Trainer(config, store=store, run_key=run_key, callback=sink, plan=plan)
+    if resume:
+        found = load_latest(store, run_key, config_json=config.to_json())
+        if found is not None:
+            trainer.load_state_dict(found[1])
+            log.info("resumed %s from global step %d", run_key, found[0])
+    try:
+        with _progress(progress) as bar:
+            task = bar.add_task("training", total=config.train.global_steps,
+                                completed=trainer.next_step)
+
+            def step_done(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+                if on_step is not None:
+                    on_step(done, total)
+
+            summary = trainer.run(on_step=step_done)
+    finally:
+        sink.flush()
+    summary["versions"] = _versions()
+    summary["run_key"] = run_key
+    summary["store_url"] = store_url
+    write_json_atomic(out / "summary.json", summary)
+    sink.close()
+    return summary
+
+
+def _progress(enabled: bool):
+    from contextlib import nullcontext
+
+    if not enabled:
+        return nullcontext(_NoBar())
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("global steps"), TimeRemainingColumn())
+
+
+class _NoBar:
+    def add_task(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None

@@ -1,0 +1,134 @@
+"""The staged model against references: stage splits, subspace codec, bypass, MAPL manifold."""
+import torch
+from torch.testing import assert_close
+
+from crucible import boundary
+from crucible.optim import ReplicaAdamW
+from crucible.pipeline import ReplicatedPipeline
+from tests.unit.helpers import tiny
+
+
+def _batch(cfg, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.replicas, cfg.train.batch_size, cfg.model.seq_len)
+    return (torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen))
+
+
+def _copy_weights(src: ReplicatedPipeline, dst: ReplicatedPipeline) -> None:
+    flat = {n: p for s in range(src.S) for n, p in src.stage_params(s).items()}
+    with torch.no_grad():
+        for s in range(dst.S):
+            for name, p in dst.stage_params(s).items():
+                p.copy_(flat[name])
+
+
+def _grads(model):
+    return {n: p.grad.clone() for s in range(model.S) for n, p in model.stage_params(s).items()}
+
+
+def test_four_stages_equal_one_stage_with_the_same_weights():
+    staged = ReplicatedPipeline(tiny(**{"pipeline.stages": 4}))
+    single = ReplicatedPipeline(tiny(**{"pipeline.stages": 1}))
+    _copy_weights(staged, single)
+    ids, targets = _batch(staged.config)
+    loss4, loss1 = staged(ids, targets), single(ids, targets)
+    assert_close(loss4, loss1)
+    loss4.sum().backward()
+    loss1.sum().backward()
+    g4, g1 = _grads(staged), _grads(single)
+    assert g4.keys() == g1.keys()
+    for name in g4:
+        assert_close(g4[name], g1[name], msg=name)
+
+
+def test_ssn_reconstructs_boundary_activations_exactly():
+    model = ReplicatedPipeline(tiny(**{"pipeline.compression": "ssn"}))
+    fixed = model.fixed
+    ids, _ = _batch(model.config)
+    coords = torch.randn(*ids.shape, fixed.subspace.shape[1])
+    x = coords @ fixed.subspace.T + fixed.token_table[ids]      # a point of span(U) + Tfix[ids]
+    message = boundary.encode("ssn", x, ids, sender={}, stage=0, fixed=fixed)
+    assert message.shape[-1] == model.config.model.d_model // model.config.pipeline.factor
+    back = boundary.decode("ssn", message, ids, receiver={}, stage=1, basis=None, fixed=fixed)
+    assert (back - x).abs().max() < 1e-5
+    assert_close(back, x, rtol=0, atol=1e-5)
+
+
+def test_ssn_gradients_equal_the_uncompressed_model_with_the_same_weights():
+    model = ReplicatedPipeline(tiny(**{"pipeline.compression": "ssn"}))
+    ids, targets = _batch(model.config)
+    loss = model(ids, targets)
+    loss.sum().backward()
+    compressed = _grads(model)
+    model.zero_grad()
+    reference = model(ids, targets, passthrough=True)
+    reference.sum().backward()
+    assert_close(loss, reference, rtol=1e-5, atol=1e-5)
+    for name, grad in _grads(model).items():
+        assert_close(compressed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_ssn_sends_k_values_and_an_id_per_token():
+    none_cfg, ssn_cfg = tiny(), tiny(**{"pipeline.compression": "ssn", "pipeline.factor": 8})
+    d, k = 32, 4
+    fwd_none, bwd_none = boundary.wire_bytes(none_cfg)
+    fwd_ssn, bwd_ssn = boundary.wire_bytes(ssn_cfg)
+    assert fwd_none == 2 * d and bwd_none == 2 * d                 # bf16 values
+    assert fwd_ssn == 2 * k + 1 and bwd_ssn == 2 * k               # k bf16 values + a byte id
+    assert fwd_ssn / fwd_none == (k + 0.5) / d
+
+
+def test_ssn_bypass_equals_the_model_without_that_stages_blocks():
+    cfg = tiny(**{"pipeline.compression": "ssn", "replicas": 1})
+    model = ReplicatedPipeline(cfg)
+    ids, targets = _batch(cfg)
+    bypass = torch.zeros(1, 4, dtype=torch.bool)
+    bypass[0, 2] = True
+    skipped = model(ids, targets, bypass=bypass)
+    with torch.no_grad():   # zero every residual write of stage 2: its blocks become the identity
+        for name, p in model.stage_params(2).items():
+            if name.endswith(("_proj", "_down")):
+                p.zero_()
+    without = model(ids, targets)
+    assert_close(skipped, without, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(skipped, ReplicatedPipeline(cfg)(ids, targets))
+
+
+def test_bypass_blocks_gradient_to_the_failed_stage_only():
+    cfg = tiny(**{"replicas": 2})
+    model = ReplicatedPipeline(cfg)
+    ids, targets = _batch(cfg)
+    bypass = torch.zeros(2, 4, dtype=torch.bool)
+    bypass[1, 1] = True
+    model(ids, targets, bypass=bypass).sum().backward()
+    qkv = model.stage_params(1)["h1_qkv"].grad
+    assert torch.count_nonzero(qkv[1]) == 0 and torch.count_nonzero(qkv[0]) > 0
+    assert torch.count_nonzero(model.stage_params(2)["h2_qkv"].grad[1]) > 0
+
+
+def test_mapl_bases_stay_orthonormal_and_loss_falls_over_200_updates():
+    cfg = tiny(**{"pipeline.compression": "mapl", "replicas": 1, "model.layers": 4})
+    model = ReplicatedPipeline(cfg)
+    optimizer = ReplicaAdamW([model.stage_params(s) for s in range(4)], model.layouts,
+                             train=cfg.train, replicas=1)
+    momenta = {s: torch.zeros_like(model.stage_params(s)["basis"]) for s in range(3)}
+    ids, targets = _batch(cfg)
+    active = torch.ones(1, 4, dtype=torch.bool)
+    first = None
+    for _ in range(200):
+        loss = model(ids, targets)
+        first = float(loss.detach()) if first is None else first
+        loss.sum().backward()
+        optimizer.step(lr=3e-3, active=active)
+        for s, m in momenta.items():
+            basis = model.stage_params(s)["basis"]
+            boundary.stiefel_step(basis.data, basis.grad, m, lr=3e-4, beta=0.9, steps=8,
+                                  mask=active[:, s])
+        model.zero_grad()
+    last = float(model(ids, targets).detach())
+    assert last < 0.5 * first
+    eye = torch.eye(cfg.model.d_model // cfg.pipeline.factor)
+    for s in range(3):
+        a = model.stage_params(s)["basis"].detach()[0]
+        assert float(torch.linalg.matrix_norm(a.T @ a - eye)) < 1e-4
+        assert not torch.allclose(a, boundary.initial_basis(cfg, s))  # it did train
