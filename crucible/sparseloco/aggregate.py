@@ -1,0 +1,75 @@
+"""Aggregation of a stage's agreed contributions into one dense outer pseudo-gradient.
+
+Each contributor's whole stage vector is first clipped to the median L2 norm of the contributors
+(`scale = min(1, median / ||v||)`; the median of an even count is the mean of the two middle
+norms), which bounds what one outlier can do. Then, per coordinate:
+
+- `selected_mean` (default, as both public codebases do): mean over the contributors that selected
+  that coordinate; a coordinate nobody selected stays 0.
+- `mean_over_all` (the paper's formula): sum divided by the number of contributors.
+
+Dense contributions (every coordinate selected) make the two modes equal. Contributions are summed
+in the order given (the gather returns them in replica order), so the result is deterministic.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from crucible.sparseloco.codec import Contribution
+
+__all__ = ["aggregate", "clip_scales", "AGGREGATE_MODES"]
+
+AGGREGATE_MODES = ("selected_mean", "mean_over_all")
+
+
+def clip_scales(contributions: Sequence[Contribution]) -> list[float]:
+    """Per-contributor factor `min(1, median_norm / norm)` (1.0 for a zero vector)."""
+    norms = [c.norm() for c in contributions]
+    median = statistics.median(norms)
+    return [1.0 if n == 0 or n <= median else median / n for n in norms]
+
+
+def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[int, ...]], *,
+              mode: str = "selected_mean", clip: bool = True) -> dict[str, torch.Tensor]:
+    """Dense fp32 aggregate per parameter of `shapes` (name -> shape).
+
+    Raises ValueError for an empty list (the stage must skip its outer step instead), an unknown
+    `mode`, or a contribution whose parameters differ from `shapes`.
+    """
+    if mode not in AGGREGATE_MODES:
+        raise ValueError(f"sparseloco.aggregate must be one of {AGGREGATE_MODES}, got {mode!r}")
+    if not contributions:
+        raise ValueError("no contributions to aggregate; the stage should skip its outer step")
+    for c in contributions:
+        if set(c.params) != set(shapes):
+            raise ValueError(f"replica {c.replica}'s contribution has parameters "
+                             f"{sorted(c.params)}, expected {sorted(shapes)}")
+    scales = clip_scales(contributions) if clip else [1.0] * len(contributions)
+    return {name: _aggregate_one(name, shape, contributions, scales, mode)
+            for name, shape in shapes.items()}
+
+
+def _aggregate_one(name: str, shape: tuple[int, ...], contributions: Sequence[Contribution],
+                   scales: Sequence[float], mode: str) -> torch.Tensor:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    total = torch.zeros(numel, dtype=torch.float32)
+    count = torch.zeros(numel, dtype=torch.float32)
+    for contribution, scale in zip(contributions, scales, strict=True):
+        part = contribution.params[name]
+        values = part.values * scale if scale != 1.0 else part.values
+        if part.indices is None:
+            total += values
+            count += 1
+        else:
+            total.index_add_(0, part.indices, values)
+            count.index_add_(0, part.indices, torch.ones_like(values))
+    if mode == "selected_mean":
+        total = total / count.clamp(min=1)
+    else:
+        total = total / len(contributions)
+    return total.reshape(shape)

@@ -1,0 +1,299 @@
+"""SparseLoCo's contribution codec: error feedback, chunked top-k, 2-bit quantisation, packing.
+
+Per stage and replica (ALGORITHMS.md section 3):
+
+    e <- beta * e + delta                       (fp32 error feedback)
+    keep the k largest |e| of every chunk       (64x64 blocks / 64-chunks, k rescaled when smaller)
+    quantise kept values to 2 bits per tensor   (shift = mean, scale = 1.5 std, 4-entry bin-mean table)
+    e <- e - decoded                            (the residual absorbs sparsification and quantisation)
+
+so that `e_new + decoded == beta * e_old + delta` up to fp32 round-off. Indices are chunk-local,
+12 bits, two per three bytes; codes four per byte: 14 bits per kept value, 0.21875 bits per
+parameter at density 1/64. Ties in |e| are broken by the lower chunk-local index, so encoding is
+deterministic. Kept indices are sent in ascending order inside each chunk, which lets the decoder
+reject duplicates with one comparison.
+
+Tensor record (after the header described in `_wire`):
+    name | shape | block_rows u16 | block_cols u16 | k u16 | shift f32 | scale f32 | table 4 x f32
+    | indices (12-bit packed, n_chunks * k) | codes (2-bit packed, n_chunks * k)
+"""
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from crucible.sparseloco import _wire
+from crucible.sparseloco._chunking import Geometry, flat_indices, from_chunks, geometry, to_chunks
+from crucible.sparseloco._wire import InvalidContribution
+
+__all__ = ["Contribution", "SparseValues", "InvalidContribution", "ErrorFeedbackCodec",
+           "encode_contribution", "decode_contribution", "MIN_SCALE", "MAX_SCALE"]
+
+MIN_SCALE = 1e-12
+MAX_SCALE = 1e4
+_QUANT = struct.Struct("<HHHff4f")
+# The bounds as the fp32 the scale travels in (fp32(1e-12) is slightly below 1e-12).
+_SCALE_RANGE = struct.unpack("<2f", struct.pack("<2f", MIN_SCALE, MAX_SCALE))
+
+
+@dataclass(frozen=True)
+class SparseValues:
+    """Decoded values of one parameter: `values[i]` belongs at flat index `indices[i]` of the
+    parameter (row-major). `indices is None` means dense: `values` covers every coordinate."""
+
+    indices: torch.Tensor | None  # (n,) int64, unique
+    values: torch.Tensor          # (n,) fp32, dequantised
+
+    def norm_sq(self) -> float:
+        return float(torch.sum(self.values.double() ** 2))
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One replica's validated, decoded contribution for one stage and global step."""
+
+    stage: int
+    replica: int
+    global_step: int
+    version: int
+    kind: str                                   # "sparse" or "dense"
+    params: dict[str, SparseValues] = field(repr=False)
+    nbytes: int = 0                             # size of the blob it was decoded from
+
+    def norm(self) -> float:
+        """L2 norm of the whole stage vector (all parameters)."""
+        return math.sqrt(sum(p.norm_sq() for p in self.params.values()))
+
+
+def _select_topk(chunks: torch.Tensor, k: int) -> torch.Tensor:
+    """Chunk-local indices (n_chunks, k), ascending, of the k largest |value| per chunk; ties at
+    the k-th magnitude go to the lower index, so the choice never depends on topk's internals."""
+    n_chunks, chunk_len = chunks.shape
+    if k == chunk_len:
+        return torch.arange(chunk_len).expand(n_chunks, chunk_len).clone()
+    mag = chunks.abs()
+    # One extra value tells whether the k-th magnitude is tied with one left out.
+    top = torch.topk(mag, k + 1, dim=1, sorted=True)
+    threshold = top.values[:, k - 1:k]
+    local = top.indices[:, :k].sort(dim=1).values
+    ambiguous = (top.values[:, k:] == threshold).reshape(-1).nonzero().reshape(-1)
+    if ambiguous.numel():  # rare in real deltas (exact zeros, repeated values)
+        local[ambiguous] = _lowest_index_ties(mag[ambiguous], threshold[ambiguous], k)
+    return local
+
+
+def _lowest_index_ties(mag: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
+    """The slow, exact rule for rows with ambiguous ties: every value above the threshold, then
+    the lowest-indexed values equal to it."""
+    above = mag > threshold
+    at = mag == threshold
+    need = k - above.sum(dim=1, keepdim=True)
+    chosen = above | (at & (at.cumsum(dim=1) <= need))
+    return chosen.nonzero()[:, 1].reshape(mag.shape[0], k)
+
+
+def _quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """2-bit codes, fp32 table (offsets from shift), fp32 shift and scale of `values` (flat)."""
+    shift = values.mean()
+    scale = max(1.5 * float(values.std(correction=0)), MIN_SCALE)
+    codes = torch.clamp(torch.round((values - shift) / scale + 2), 0, 3).to(torch.int64)
+    sums = torch.bincount(codes, weights=(values - shift).double(), minlength=4)
+    counts = torch.bincount(codes, minlength=4)
+    centres = (torch.arange(4, dtype=torch.float64) - 2) * scale  # empty bins: harmless, finite
+    table = torch.where(counts > 0, sums / counts.clamp(min=1), centres).to(torch.float32)
+    return codes, table, shift, scale
+
+
+def _dequantise(codes: torch.Tensor, table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The one dequantisation both sides use, so encoder and decoder agree bit for bit."""
+    return table[codes] + shift
+
+
+def _encode_tensor(writer: _wire.Writer, name: str, e: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """Append `e`'s record to `writer`; return the dense decoded tensor (what peers will see)."""
+    chunks = to_chunks(e, geo)
+    local = _select_topk(chunks, geo.k)                         # (n_chunks, k)
+    kept = chunks.gather(1, local).reshape(-1)
+    codes, table, shift, scale = _quantise(kept)
+    decoded = _dequantise(codes, table, shift.to(torch.float32))
+    writer.name(name)
+    writer.shape(geo.shape)
+    writer.pack(_QUANT.format, geo.block_rows, geo.block_cols, geo.k, float(shift), scale,
+                *table.tolist())
+    writer.raw(_wire.pack_indices12(local.reshape(-1).numpy()))
+    writer.raw(_wire.pack_codes2(codes.numpy()))
+    dense = torch.zeros_like(chunks).scatter_(1, local, decoded.reshape(local.shape))
+    return from_chunks(dense, geo)
+
+
+def encode_contribution(delta: Mapping[str, torch.Tensor], error: Mapping[str, torch.Tensor], *,
+                        beta: float, stage: int, replica: int, global_step: int, chunk: int = 64,
+                        topk: int = 64) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Encode one stage's pseudo-gradient `delta` with error feedback.
+
+    `error` holds the previous buffers (a missing name counts as zeros; nothing is mutated).
+    Returns the blob and the new error buffers, with `new_error + decoded == beta*error + delta`
+    to fp32 round-off. Raises ValueError for a non-finite delta or error (naming the parameter):
+    a diverged replica must not poison its peers.
+    """
+    writer = _wire.Writer()
+    writer.header(kind=_wire.KIND_SPARSE, stage=stage, replica=replica, global_step=global_step,
+                  n_params=len(delta))
+    new_error: dict[str, torch.Tensor] = {}
+    for name, d in delta.items():
+        d = d.detach().to(torch.float32)
+        prev = error.get(name)
+        e = d.clone() if prev is None else beta * prev.detach().to(torch.float32) + d
+        if not math.isfinite(float(e.sum())):  # NaN and inf survive a sum; one cheap pass
+            raise ValueError(f"parameter {name!r} of stage {stage}, replica {replica} has a "
+                             "non-finite pseudo-gradient or error buffer; refusing to encode it")
+        geo = geometry(tuple(d.shape), chunk=chunk, topk=topk)
+        decoded = _encode_tensor(writer, name, e.reshape(geo.shape), geo)
+        new_error[name] = e - decoded
+    return writer.finish(), new_error
+
+
+def _check_header(kind: int, want_kind: int, stage: int, replica: int, global_step: int, *,
+                  expect_stage: int, expect_replica: int | None,
+                  expect_step: int | None) -> None:
+    if kind != want_kind:
+        raise InvalidContribution(f"kind {kind} where {want_kind} was expected "
+                                  "(sparse and dense contributions are not interchangeable)")
+    if stage != expect_stage:
+        raise InvalidContribution(f"contribution is for stage {stage}, expected stage {expect_stage}")
+    if expect_replica is not None and replica != expect_replica:
+        raise InvalidContribution(f"contribution is from replica {replica}, "
+                                  f"expected replica {expect_replica}")
+    if expect_step is not None and global_step != expect_step:
+        raise InvalidContribution(f"contribution is for global step {global_step}, "
+                                  f"expected {expect_step}")
+
+
+def read_records(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, kind: int, stage: int,
+                 replica: int | None, global_step: int | None, read_one) -> Contribution:
+    """Shared frame of the sparse and dense decoders: header, one `read_one(reader, name, shape)`
+    per record, the expected-parameter bookkeeping and the trailing-bytes check."""
+    reader = _wire.Reader(blob)
+    version, got_kind, got_stage, got_replica, got_step, n_params = reader.header()
+    _check_header(got_kind, kind, got_stage, got_replica, got_step, expect_stage=stage,
+                  expect_replica=replica, expect_step=global_step)
+    if n_params > len(expected):
+        raise InvalidContribution(f"blob lists {n_params} parameters, stage {stage} has "
+                                  f"{len(expected)}")
+    found: dict[str, SparseValues] = {}
+    for _ in range(n_params):
+        name = reader.name()
+        if name not in expected:
+            raise InvalidContribution(f"unexpected parameter {name!r} for stage {stage}")
+        if name in found:
+            raise InvalidContribution(f"parameter {name!r} appears twice")
+        shape = reader.shape(name)
+        if shape != tuple(expected[name]):
+            raise InvalidContribution(f"{name}: shape {shape} does not match the model's "
+                                      f"{tuple(expected[name])}")
+        found[name] = read_one(reader, name, shape)
+    reader.done()
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise InvalidContribution(f"missing parameter(s): {', '.join(missing)}")
+    return Contribution(stage=got_stage, replica=got_replica, global_step=got_step,
+                        version=version, kind="sparse" if kind == _wire.KIND_SPARSE else "dense",
+                        params={n: found[n] for n in expected}, nbytes=len(blob))
+
+
+def _read_sparse(reader: _wire.Reader, name: str, shape: tuple[int, ...], *, chunk: int,
+                 topk: int) -> SparseValues:
+    geo = geometry(shape, chunk=chunk, topk=topk)
+    block_rows, block_cols, k, shift, scale, *table = reader.unpack(_QUANT.format)
+    if (block_rows, block_cols, k) != (geo.block_rows, geo.block_cols, geo.k):
+        raise InvalidContribution(
+            f"{name}: chunking {block_rows}x{block_cols} with k={k}, expected "
+            f"{geo.block_rows}x{geo.block_cols} with k={geo.k} (sparseloco.chunk={chunk}, "
+            f"sparseloco.topk={topk})")
+    if not all(math.isfinite(x) for x in (shift, *table)):
+        raise InvalidContribution(f"{name}: non-finite quantisation shift or table "
+                                  f"(shift={shift}, table={table})")
+    if not _SCALE_RANGE[0] <= scale <= _SCALE_RANGE[1]:
+        raise InvalidContribution(f"{name}: scale {scale:g} outside [{MIN_SCALE:g}, {MAX_SCALE:g}]")
+    table_t = torch.tensor(table, dtype=torch.float32)
+    shift_t = torch.tensor(shift, dtype=torch.float32)
+    levels = _dequantise(torch.arange(4), table_t, shift_t)
+    if not bool(torch.isfinite(levels).all()):
+        raise InvalidContribution(f"{name}: table + shift overflows fp32")
+    n = geo.n_values
+    local = _wire.unpack_indices12(reader.take(_wire.indices12_bytes(n), f"{name} indices"), n)
+    codes = _wire.unpack_codes2(reader.take(_wire.codes2_bytes(n), f"{name} codes"), n)
+    local = local.reshape(geo.n_chunks, geo.k)
+    if local.size and int(local.max()) >= geo.chunk_len:
+        raise InvalidContribution(f"{name}: index {int(local.max())} out of range for a chunk of "
+                                  f"{geo.chunk_len} values")
+    if geo.k > 1 and bool((np.diff(local, axis=1) <= 0).any()):
+        raise InvalidContribution(f"{name}: indices inside a chunk are not strictly increasing "
+                                  "(duplicate or unordered index)")
+    local_t = torch.from_numpy(local)
+    values = _dequantise(torch.from_numpy(codes), table_t, shift_t)
+    return SparseValues(indices=flat_indices(local_t, geo), values=values)
+
+
+def decode_contribution(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, stage: int,
+                        replica: int | None = None, global_step: int | None = None,
+                        chunk: int = 64, topk: int = 64) -> Contribution:
+    """Validate and decode a sparse contribution for `stage` whose parameters must be exactly
+    `expected` (name -> shape). `replica` / `global_step`, when given, must match the header.
+
+    Raises `InvalidContribution(reason)` for anything wrong (ALGORITHMS.md section 4: version,
+    parameters, chunking and k, index bounds and uniqueness, finite table and shift, scale range,
+    truncation, corruption) and never any other exception for malformed bytes.
+    """
+    geometry((1,), chunk=chunk, topk=topk)  # a bad chunk/topk is the caller's error: ValueError
+
+    def read_one(reader: _wire.Reader, name: str, shape: tuple[int, ...]) -> SparseValues:
+        if math.prod(shape) == 0:
+            raise InvalidContribution(f"{name}: empty shape {shape}")
+        return _read_sparse(reader, name, shape, chunk=chunk, topk=topk)
+
+    return read_records(bytes(blob), expected, kind=_wire.KIND_SPARSE, stage=stage,
+                        replica=replica, global_step=global_step, read_one=read_one)
+
+
+class ErrorFeedbackCodec:
+    """The encoder state of one (replica, stage): its error-feedback buffers.
+
+    `encode` updates the buffers in place and returns the blob; `reset` zeroes them (a rejoining
+    stage has lost its buffer). Not thread-safe; one instance per stage-replica.
+    """
+
+    def __init__(self, *, stage: int, replica: int, beta: float = 0.95, chunk: int = 64,
+                 topk: int = 64) -> None:
+        if not 0 <= beta < 1:
+            raise ValueError(f"sparseloco.beta must be in [0, 1), got {beta}")
+        geometry((1,), chunk=chunk, topk=topk)
+        self.stage, self.replica = stage, replica
+        self.beta, self.chunk, self.topk = beta, chunk, topk
+        self.error: dict[str, torch.Tensor] = {}
+
+    def encode(self, delta: Mapping[str, torch.Tensor], *, global_step: int) -> bytes:
+        blob, self.error = encode_contribution(
+            delta, self.error, beta=self.beta, stage=self.stage, replica=self.replica,
+            global_step=global_step, chunk=self.chunk, topk=self.topk)
+        return blob
+
+    def decode(self, blob: bytes, expected: Mapping[str, tuple[int, ...]], *,
+               replica: int | None = None, global_step: int | None = None) -> Contribution:
+        """Decode a peer's blob for this codec's stage with this codec's chunking."""
+        return decode_contribution(blob, expected, stage=self.stage, replica=replica,
+                                   global_step=global_step, chunk=self.chunk, topk=self.topk)
+
+    def reset(self) -> None:
+        self.error = {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.error.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.error = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
