@@ -1,0 +1,324 @@
+"""Data access of the registry: keyword-only functions over a SQLAlchemy session.
+
+Routes call these and never write SQL; the dashboards import them too. Functions that write
+commit their own transaction (one request = one transaction) and raise `NotFoundError` for a
+missing sweep or run. Lists use keyset pagination: an opaque cursor encodes the sort key of the
+last item returned, so pages stay stable while rows are inserted.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, or_, select, text, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from api.errors import InvalidInputError, NotFoundError
+from crucible import analysis
+from crucible.config import Config, ConfigError
+from db.models import Event, Metric, Run, Sweep
+
+__all__ = [
+    "create_sweep", "get_sweep", "list_sweeps", "update_sweep", "create_run", "get_run",
+    "list_runs", "update_run", "insert_metrics", "insert_events", "list_metrics", "list_events",
+    "sweep_run_rows", "sweep_robustness", "sweep_table", "encode_cursor", "decode_cursor",
+]
+
+_MAX_SEED = 2**62
+_MAX_DURATION = 2**31 - 1
+
+
+# ---------------------------------------------------------------- cursors
+
+def encode_cursor(key: Sequence[Any]) -> str:
+    """Opaque cursor for a sort key (JSON, base64url)."""
+    raw = json.dumps([v.isoformat() if isinstance(v, datetime) else v for v in key])
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, *, kinds: Sequence[type]) -> list[Any]:
+    """Decode a cursor made by `encode_cursor` whose parts have the given `kinds`
+    (int, str, datetime, uuid.UUID). Raises InvalidInputError naming `cursor` otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        parts = json.loads(raw)
+        if not isinstance(parts, list) or len(parts) != len(kinds):
+            raise ValueError("wrong shape")
+        return [_cursor_part(kind, part) for kind, part in zip(kinds, parts, strict=True)]
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise InvalidInputError("cursor is not one this API returned; pass next_cursor from the "
+                                "previous page, or omit it for the first page",
+                                field="query.cursor") from None
+
+
+def _cursor_part(kind: type, part: Any) -> Any:
+    if kind is datetime:
+        return datetime.fromisoformat(part)
+    if kind is uuid.UUID:
+        return uuid.UUID(part)
+    if kind is int and (not isinstance(part, int) or isinstance(part, bool) or abs(part) > 2**62):
+        raise ValueError(part)
+    return kind(part)
+
+
+def _keyset_page(session: Session, query: Any, *, columns: tuple[Any, Any],
+                 kinds: tuple[type, type], limit: int,
+                 cursor: str | None) -> tuple[list[Any], str | None]:
+    """Run `query` ordered by the two `columns` (the last one unique), starting after `cursor`;
+    return at most `limit` rows and the cursor of the next page (None on the last page)."""
+    c0, c1 = columns
+    if cursor is not None:
+        v0, v1 = decode_cursor(cursor, kinds=kinds)
+        query = query.where(or_(c0 > v0, and_(c0 == v0, c1 > v1)))  # (c0, c1) > (v0, v1)
+    rows = list(session.scalars(query.order_by(c0, c1).limit(limit + 1)))
+    if len(rows) <= limit:
+        return rows, None
+    last = rows[limit - 1]
+    key = [getattr(last, c.key) for c in columns]
+    return rows[:limit], encode_cursor([str(v) if isinstance(v, uuid.UUID) else v for v in key])
+
+
+# ---------------------------------------------------------------- sweeps
+
+def create_sweep(session: Session, *, name: str, spec: dict[str, Any] | None = None) -> Sweep:
+    """Create a pending sweep and commit."""
+    sweep = Sweep(name=name, spec=spec, status="pending")
+    session.add(sweep)
+    session.commit()
+    return sweep
+
+
+def get_sweep(session: Session, *, sweep_id: uuid.UUID) -> Sweep:
+    """The sweep `sweep_id`; raises NotFoundError."""
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
+    return sweep
+
+
+def list_sweeps(session: Session, *, status: str | None = None, limit: int = 100,
+                cursor: str | None = None) -> tuple[list[Sweep], str | None]:
+    """Sweeps oldest first, at most `limit`, and the cursor of the next page (or None)."""
+    query = select(Sweep)
+    if status is not None:
+        query = query.where(Sweep.status == status)
+    return _keyset_page(session, query, columns=(Sweep.created_at, Sweep.id),
+                        kinds=(datetime, uuid.UUID), limit=limit, cursor=cursor)
+
+
+def update_sweep(session: Session, *, sweep_id: uuid.UUID, changes: dict[str, Any]) -> Sweep:
+    """Apply `changes` (status, prefect_flow_run_id) to a sweep and commit."""
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    for key, value in changes.items():
+        setattr(sweep, key, value)
+    session.commit()
+    return sweep
+
+
+# ---------------------------------------------------------------- runs
+
+def _resolve_config(config: dict[str, Any]) -> Config:
+    try:
+        resolved = Config.from_dict(config)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"config is invalid: {exc}", field="body.config") from None
+    if resolved.seed > _MAX_SEED or resolved.faults.duration > _MAX_DURATION:
+        raise InvalidInputError(f"config.seed must be <= {_MAX_SEED} and config.faults.duration "
+                                f"<= {_MAX_DURATION}", field="body.config")
+    return resolved
+
+
+def _find_baseline(session: Session, run: Run) -> uuid.UUID | None:
+    query = (select(Run.id)
+             .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
+                    Run.seed == run.seed, Run.duration == run.duration, Run.p == 0.0)
+             .order_by(Run.created_at, Run.id).limit(1))
+    return session.scalar(query)
+
+
+def _link_baselines(session: Session, run: Run) -> None:
+    """Keep `baseline_run_id` current whichever of a run and its baseline is created first."""
+    if run.sweep_id is None:
+        return
+    if run.p > 0:
+        run.baseline_run_id = _find_baseline(session, run)
+        return
+    session.execute(
+        update(Run)
+        .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
+               Run.seed == run.seed, Run.duration == run.duration, Run.p > 0,
+               Run.baseline_run_id.is_(None))
+        .values(baseline_run_id=run.id))
+
+
+def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID | None = None,
+               name: str | None = None, config_hash: str | None = None,
+               code_version: str | None = None) -> Run:
+    """Create a pending run from a (possibly partial) config dict, validated and resolved with
+    `crucible.config.Config`; link it to its p = 0 baseline in the same sweep; commit.
+    Raises NotFoundError for an unknown sweep, InvalidInputError for a bad config."""
+    if sweep_id is not None:
+        get_sweep(session, sweep_id=sweep_id)
+    resolved = _resolve_config(config)
+    run = Run(id=uuid.uuid4(), sweep_id=sweep_id, name=name, config=resolved.to_dict(),
+              config_hash=config_hash, code_version=code_version,
+              compression=resolved.pipeline.compression, strategy=resolved.faults.strategy,
+              p=float(resolved.faults.p), duration=resolved.faults.duration,
+              seed=resolved.seed, preset=resolved.preset, status="pending")
+    session.add(run)
+    session.flush()
+    _link_baselines(session, run)
+    session.commit()
+    return run
+
+
+def get_run(session: Session, *, run_id: uuid.UUID) -> Run:
+    """The run `run_id`; raises NotFoundError."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFoundError(f"run {run_id} does not exist", field="run_id")
+    return run
+
+
+def list_runs(session: Session, *, sweep_id: uuid.UUID | None = None,
+              compression: str | None = None, strategy: str | None = None,
+              p: float | None = None, seed: int | None = None, status: str | None = None,
+              config_hash: str | None = None, code_version: str | None = None,
+              limit: int = 100, cursor: str | None = None) -> tuple[list[Run], str | None]:
+    """Runs matching every given filter, oldest first, with the next page's cursor (or None)."""
+    query = select(Run)
+    filters = {Run.sweep_id: sweep_id, Run.compression: compression, Run.strategy: strategy,
+               Run.p: p, Run.seed: seed, Run.status: status, Run.config_hash: config_hash,
+               Run.code_version: code_version}
+    for column, value in filters.items():
+        if value is not None:
+            query = query.where(column == value)
+    return _keyset_page(session, query, columns=(Run.created_at, Run.id),
+                        kinds=(datetime, uuid.UUID), limit=limit, cursor=cursor)
+
+
+def update_run(session: Session, *, run_id: uuid.UUID, changes: dict[str, Any]) -> Run:
+    """Apply `changes` (status, results, summary, ...) to a run and commit."""
+    run = get_run(session, run_id=run_id)
+    for key, value in changes.items():
+        setattr(run, key, value)
+    session.commit()
+    return run
+
+
+# ---------------------------------------------------------------- metrics and events
+
+# Postgres: one INSERT ... SELECT FROM unnest(<one array per column>) per batch (a handful of
+# parameters instead of 6 x 10,000; about 4x faster than multi-row VALUES here).
+_PG_COLUMNS = {
+    "metrics": (("name", "varchar[]"), ("global_step", "bigint[]"), ("tokens", "bigint[]"),
+                ("replica", "integer[]"), ("value", "float8[]")),
+    "events": (("event_id", "varchar[]"), ("kind", "varchar[]"), ("global_step", "bigint[]"),
+               ("replica", "integer[]"), ("stage", "integer[]"), ("detail", "jsonb[]")),
+}
+_KEYS = {"metrics": "id", "events": "pk"}
+
+
+def _pg_bulk_insert(session: Session, table: str, run_id: uuid.UUID,
+                    rows: list[dict[str, Any]]) -> int:
+    columns = _PG_COLUMNS[table]
+    names = ", ".join(name for name, _ in columns)
+    arrays = ", ".join(f"CAST(:{name} AS {cast})" for name, cast in columns)
+    sql = text(f"INSERT INTO {table} (run_id, {names}) "
+               f"SELECT CAST(:run_id AS uuid), * FROM unnest({arrays}) "
+               f"ON CONFLICT DO NOTHING RETURNING {_KEYS[table]}")
+    params: dict[str, Any] = {name: [row[name] for row in rows] for name, _ in columns}
+    if "detail" in params:
+        params["detail"] = [None if d is None else json.dumps(d) for d in params["detail"]]
+    return len(session.execute(sql, {"run_id": str(run_id), **params}).all())
+
+
+def _bulk_insert_ignoring_duplicates(session: Session, table: Any, run_id: uuid.UUID,
+                                     rows: list[dict[str, Any]]) -> int:
+    """Store `rows` of `table` for `run_id` in one bulk statement, skipping rows whose unique key
+    exists (ON CONFLICT DO NOTHING); commit; return how many rows were actually stored."""
+    if not rows:
+        return 0
+    if session.get_bind().dialect.name == "postgresql":
+        inserted = _pg_bulk_insert(session, table.name, run_id, rows)
+    else:
+        key = table.c[_KEYS[table.name]]
+        stmt = sqlite_insert(table).on_conflict_do_nothing().returning(key)
+        inserted = len(session.execute(stmt, [{"run_id": run_id, **r} for r in rows]).all())
+    session.commit()
+    return inserted
+
+
+def insert_metrics(session: Session, *, run_id: uuid.UUID, items: Sequence[dict[str, Any]]) -> int:
+    """Store metric items {name, global_step, tokens?, replica?, value} of a run, skipping those
+    already stored (key: run, name, global_step, replica). Returns how many were new."""
+    get_run(session, run_id=run_id)
+    rows = [{"name": i["name"], "global_step": i["global_step"], "tokens": i.get("tokens"),
+             "replica": i.get("replica"), "value": i["value"]} for i in items]
+    return _bulk_insert_ignoring_duplicates(session, Metric.__table__, run_id, rows)
+
+
+def insert_events(session: Session, *, run_id: uuid.UUID, items: Sequence[dict[str, Any]]) -> int:
+    """Store event items {id, kind, global_step, replica?, stage?, detail?} of a run, skipping
+    ids already stored. Returns how many were new."""
+    get_run(session, run_id=run_id)
+    rows = [{"event_id": i["id"], "kind": i["kind"], "global_step": i["global_step"],
+             "replica": i.get("replica"), "stage": i.get("stage"), "detail": i.get("detail")}
+            for i in items]
+    return _bulk_insert_ignoring_duplicates(session, Event.__table__, run_id, rows)
+
+
+def list_metrics(session: Session, *, run_id: uuid.UUID, name: str | None = None,
+                 replica: int | None = None, limit: int = 1000,
+                 cursor: str | None = None) -> tuple[list[Metric], str | None]:
+    """A run's metrics in global-step order, optionally one name / one replica."""
+    get_run(session, run_id=run_id)
+    query = select(Metric).where(Metric.run_id == run_id)
+    if name is not None:
+        query = query.where(Metric.name == name)
+    if replica is not None:
+        query = query.where(Metric.replica == replica)
+    return _keyset_page(session, query, columns=(Metric.global_step, Metric.id),
+                        kinds=(int, int), limit=limit, cursor=cursor)
+
+
+def list_events(session: Session, *, run_id: uuid.UUID, kind: str | None = None,
+                limit: int = 1000, cursor: str | None = None) -> tuple[list[Event], str | None]:
+    """A run's events in global-step order, optionally one kind."""
+    get_run(session, run_id=run_id)
+    query = select(Event).where(Event.run_id == run_id)
+    if kind is not None:
+        query = query.where(Event.kind == kind)
+    return _keyset_page(session, query, columns=(Event.global_step, Event.pk),
+                        kinds=(int, int), limit=limit, cursor=cursor)
+
+
+# ---------------------------------------------------------------- analysis
+
+def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, Any]]:
+    """The analysis view of a sweep's runs (creation order): id, compression, strategy, p,
+    duration, seed, status, final_val_loss, initial_val_loss. Raises NotFoundError."""
+    get_sweep(session, sweep_id=sweep_id)
+    query = select(Run).where(Run.sweep_id == sweep_id).order_by(Run.created_at, Run.id)
+    return [{"id": str(r.id), "compression": r.compression, "strategy": r.strategy, "p": r.p,
+             "duration": r.duration, "seed": r.seed, "status": r.status,
+             "final_val_loss": r.final_val_loss, "initial_val_loss": r.initial_val_loss}
+            for r in session.scalars(query)]
+
+
+def sweep_robustness(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
+    """`crucible.analysis.robustness` of the sweep's runs, with "sweep_id" added."""
+    result = analysis.robustness(sweep_run_rows(session, sweep_id=sweep_id))
+    return {"sweep_id": sweep_id, **result}
+
+
+def sweep_table(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
+    """The Table-1 shape (p rows x arm columns) of the sweep's robustness items."""
+    items = sweep_robustness(session, sweep_id=sweep_id)["items"]
+    return {"sweep_id": sweep_id, **analysis.robustness_table(items)}

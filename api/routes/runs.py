@@ -1,0 +1,118 @@
+"""Run routes: create, list with filters, get, update; metric and event ingestion and reads."""
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api import crud
+from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
+from api.schemas import (
+    BatchResult,
+    Compression,
+    EventBatch,
+    EventKind,
+    EventPublic,
+    MetricBatch,
+    MetricName,
+    MetricPublic,
+    Page,
+    RunCreate,
+    RunPublic,
+    RunStatus,
+    RunUpdate,
+    Strategy,
+)
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+
+Cursor = Annotated[str | None, Query(max_length=512)]
+SafeQuery = Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9._:+/=-]*$")]
+_NOT_NULLABLE = ("status",)
+_TOO_LARGE = {413: {"description": "more than 10,000 items, or a body over the byte limit; "
+                                  "nothing was stored"}}
+
+
+@router.post("", status_code=201, response_model=RunPublic, dependencies=[WriteAuthDep])
+def create_run(body: RunCreate, session: SessionDep) -> RunPublic:
+    """Register a run from its config (status pending); 404 for an unknown sweep_id."""
+    run = crud.create_run(session, config=body.config, sweep_id=body.sweep_id, name=body.name,
+                          config_hash=body.config_hash, code_version=body.code_version)
+    return RunPublic.model_validate(run)
+
+
+@router.get("", response_model=Page[RunPublic], dependencies=[ReadAuthDep])
+def list_runs(session: SessionDep, sweep_id: uuid.UUID | None = None,
+              compression: Compression | None = None, strategy: Strategy | None = None,
+              p: Annotated[float | None, Query(ge=0, le=1)] = None,
+              seed: Annotated[int | None, Query(ge=0, le=2**62)] = None,
+              status: RunStatus | None = None, config_hash: SafeQuery = None,
+              code_version: SafeQuery = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+              cursor: Cursor = None) -> Page[RunPublic]:
+    """Runs matching every given filter, oldest first, keyset-paginated."""
+    rows, next_cursor = crud.list_runs(
+        session, sweep_id=sweep_id, compression=compression, strategy=strategy, p=p, seed=seed,
+        status=status, config_hash=config_hash, code_version=code_version, limit=limit,
+        cursor=cursor)
+    return Page[RunPublic](items=[RunPublic.model_validate(r) for r in rows],
+                           next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", response_model=RunPublic, dependencies=[ReadAuthDep])
+def get_run(run_id: uuid.UUID, session: SessionDep) -> RunPublic:
+    """One run; 404 when it does not exist."""
+    return RunPublic.model_validate(crud.get_run(session, run_id=run_id))
+
+
+@router.patch("/{run_id}", response_model=RunPublic, dependencies=[WriteAuthDep])
+def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPublic:
+    """Update a run's status and results (fields left out are unchanged)."""
+    changes = body.model_dump(exclude_unset=True)
+    for key in _NOT_NULLABLE:
+        if key in changes and changes[key] is None:
+            del changes[key]
+    return RunPublic.model_validate(crud.update_run(session, run_id=run_id, changes=changes))
+
+
+@router.post("/{run_id}/metrics:batch", response_model=BatchResult, dependencies=[WriteAuthDep],
+             responses=_TOO_LARGE)
+def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) -> BatchResult:
+    """Store up to 10,000 metric items idempotently (key: name, global_step, replica)."""
+    items = [item.model_dump() for item in body.items]
+    inserted = crud.insert_metrics(session, run_id=run_id, items=items)
+    return BatchResult(received=len(items), inserted=inserted)
+
+
+@router.post("/{run_id}/events:batch", response_model=BatchResult, dependencies=[WriteAuthDep],
+             responses=_TOO_LARGE)
+def ingest_events(run_id: uuid.UUID, body: EventBatch, session: SessionDep) -> BatchResult:
+    """Store up to 10,000 event items idempotently (key: the event's id)."""
+    items = [item.model_dump() for item in body.items]
+    inserted = crud.insert_events(session, run_id=run_id, items=items)
+    return BatchResult(received=len(items), inserted=inserted)
+
+
+@router.get("/{run_id}/metrics", response_model=Page[MetricPublic], dependencies=[ReadAuthDep])
+def read_metrics(run_id: uuid.UUID, session: SessionDep, name: MetricName | None = None,
+                 replica: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                 limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+                 cursor: Cursor = None) -> Page[MetricPublic]:
+    """A run's metrics in global-step order, keyset-paginated."""
+    rows, next_cursor = crud.list_metrics(session, run_id=run_id, name=name, replica=replica,
+                                          limit=limit, cursor=cursor)
+    return Page[MetricPublic](items=[MetricPublic.model_validate(r) for r in rows],
+                              next_cursor=next_cursor)
+
+
+@router.get("/{run_id}/events", response_model=Page[EventPublic], dependencies=[ReadAuthDep])
+def read_events(run_id: uuid.UUID, session: SessionDep, kind: EventKind | None = None,
+                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+                cursor: Cursor = None) -> Page[EventPublic]:
+    """A run's events in global-step order, keyset-paginated."""
+    rows, next_cursor = crud.list_events(session, run_id=run_id, kind=kind, limit=limit,
+                                         cursor=cursor)
+    items = [EventPublic(id=e.event_id, kind=e.kind, global_step=e.global_step,
+                         replica=e.replica, stage=e.stage, detail=e.detail) for e in rows]
+    return Page[EventPublic](items=items, next_cursor=next_cursor)

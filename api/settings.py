@@ -1,0 +1,36 @@
+"""Service settings: the one pydantic-settings class every registry component reads.
+
+Values come from `CRUCIBLE_*` environment variables (or a `.env` file); route and task code never
+reads `os.environ` itself. The embedded default is an SQLite file in the working folder.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings"]
+
+
+class Settings(BaseSettings):
+    """Registry, client and store settings (env prefix `CRUCIBLE_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", env_file=".env", extra="ignore")
+
+    database_url: str = Field("sqlite:///./crucible.db",
+                              description="SQLAlchemy URL of the registry database")
+    api_url: str = Field("http://127.0.0.1:8000", description="where clients reach the API")
+    api_token: SecretStr | None = Field(
+        None, description="bearer token: clients send it; the server also accepts it for writes")
+    store_url: str | None = Field(None, description="file:///path or s3://bucket/prefix")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
+    reads_require_token: bool = Field(False, description="close GET endpoints to anonymous users")
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="larger bodies get a 413")
+    migrate_on_start: bool = Field(False, description="run migrations to head when the app starts")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

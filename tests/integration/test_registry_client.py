@@ -1,0 +1,111 @@
+"""The registry client against the real API under uvicorn on Postgres: with the API stopped
+mid-run and restarted, every metric and event arrives exactly once."""
+from __future__ import annotations
+
+import pytest
+
+from crucible.events import Event, Metric
+from crucible.reporting import ApiCallback, ApiClient, ApiError
+
+pytestmark = pytest.mark.integration
+
+
+def _emit(callback, steps):
+    """What a trainer does: per global step, metrics per replica, an event, then flush."""
+    for step in steps:
+        for replica in range(2):
+            callback.metric(Metric("train_loss", step, 3.0 - step * 0.01, tokens=64 * step,
+                                   replica=replica))
+        callback.metric(Metric("val_loss", step, 2.5 - step * 0.01))
+        callback.event(Event("bypass", step, replica=step % 2, stage=1, detail={"step": step}))
+        callback.flush()
+
+
+def _expected(steps):
+    metrics = sorted(
+        [("train_loss", s, r, pytest.approx(3.0 - s * 0.01), 64 * s) for s in steps
+         for r in range(2)] + [("val_loss", s, None, pytest.approx(2.5 - s * 0.01), None)
+                               for s in steps], key=lambda m: (m[1], m[0], m[2] or 0))
+    return metrics
+
+
+def _stored(client, run_id):
+    metrics = sorted([(m["name"], m["global_step"], m["replica"], m["value"], m["tokens"])
+                      for m in client.list_metrics(run_id)], key=lambda m: (m[1], m[0], m[2] or 0))
+    events = client.list_events(run_id)
+    return metrics, events
+
+
+@pytest.fixture
+def client(api_server):
+    with ApiClient(api_server.url, api_server.token, timeout_s=2.0, retries=1,
+                   backoff_s=0.05) as api:
+        yield api
+
+
+def test_client_crud_round_trip(client):
+    sweep = client.create_sweep("client", spec={"p": [0.0, 0.1]})
+    run = client.create_run({"seed": 4, "faults": {"p": 0.1}}, sweep_id=sweep["id"],
+                            config_hash="abc", code_version="v1")
+    client.update_run(run["id"], status="completed", final_val_loss=2.0)
+    client.update_sweep(sweep["id"], status="completed")
+    assert client.get_run(run["id"])["final_val_loss"] == 2.0
+    assert [r["id"] for r in client.list_runs(sweep_id=sweep["id"], config_hash="abc")] == \
+        [run["id"]]
+    assert client.robustness(sweep["id"])["missing_baselines"][0]["seed"] == 4
+    assert client.table(sweep["id"])["rows"] == []
+    with pytest.raises(ApiError) as info:
+        client.update_run(run["id"], status="exploded")
+    assert info.value.status_code == 422
+
+
+def test_outage_mid_run_loses_and_duplicates_nothing(api_server, client, tmp_path):
+    run_id = client.create_run({"seed": 0, "faults": {"p": 0.1}})["id"]
+    callback = ApiCallback(client, run_id, tmp_path / "spool", batch_size=7,
+                           flush_interval_s=0.0, close_timeout_s=20.0)
+    _emit(callback, range(0, 10))
+    assert not callback.spooled
+    api_server.stop()
+    _emit(callback, range(10, 25))          # every flush lands in the spool
+    assert callback.spooled
+    api_server.start()
+    _emit(callback, range(20, 40))          # overlapping steps re-sent on purpose
+    callback.close()
+    assert not (tmp_path / "spool" / f"{run_id}.spool.jsonl").exists()
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(40))
+    assert [e["id"] for e in events] == [Event("bypass", s, replica=s % 2, stage=1).id
+                                         for s in range(40)]
+    assert [e["detail"] for e in events] == [{"step": s} for s in range(40)]
+
+
+def test_spool_left_at_close_is_replayed_by_the_next_callback(api_server, client, tmp_path):
+    run_id = client.create_run({"seed": 1})["id"]
+    api_server.stop()
+    first = ApiCallback(client, run_id, tmp_path, batch_size=1000, close_timeout_s=0.0)
+    _emit(first, range(5))
+    first.close()
+    assert (tmp_path / f"{run_id}.spool.jsonl").stat().st_size > 0
+    api_server.start()
+    other_run = client.create_run({"seed": 2})["id"]
+    second = ApiCallback(client, other_run, tmp_path)   # replays the first run's spool at start
+    second.close()
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(5)) and len(events) == 5
+    assert not (tmp_path / f"{run_id}.spool.jsonl").exists()
+
+
+def test_torn_spool_tail_is_dropped_and_order_kept(api_server, client, tmp_path):
+    run_id = client.create_run({"seed": 3})["id"]
+    api_server.stop()
+    callback = ApiCallback(client, run_id, tmp_path, close_timeout_s=0.0)
+    _emit(callback, range(3))
+    callback.close()
+    with open(tmp_path / f"{run_id}.spool.jsonl", "a") as fh:
+        fh.write(f'{{"run_id": "{run_id}", "kind": "metr')    # killed mid-append
+    api_server.start()
+    resumed = ApiCallback(client, run_id, tmp_path)
+    _emit(resumed, range(3, 6))
+    resumed.close()
+    metrics, _ = _stored(client, run_id)
+    assert metrics == _expected(range(6))
