@@ -1,0 +1,1 @@
+"""dashboards package (see DESIGN.md)."""

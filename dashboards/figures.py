@@ -1,0 +1,459 @@
+"""Figure builders: pure functions from the registry's plain query results to Plotly figures.
+
+Every builder takes dicts and lists shaped like the registry's JSON (robustness summary, table,
+runs, metric and event rows), never ORM objects, so tests build their input by hand and the
+offline export and the served pages draw the same figures. Builders never raise on sparse data:
+a sweep still running or an arm without a baseline yields a figure that says what is missing.
+Non-finite numbers are dropped before plotting (a NaN would silently break a curve).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from dashboards.style import (
+    OKABE_ITO,
+    STRATEGY_DASH,
+    STRATEGY_ORDER,
+    STRATEGY_PATTERN,
+    STRATEGY_SYMBOL,
+    arm_color,
+    arm_label,
+    base_layout,
+    empty_figure,
+    rgba,
+    series_name,
+)
+
+__all__ = ["robustness_curves", "robustness_table", "loss_curves", "val_loss_points",
+           "fault_timeline", "token_accounting", "bytes_sent", "BYTE_KINDS"]
+
+P_AXIS_TITLE = "Failure probability per replica per global step (%)"
+_ARM_ORDER = ("none", "ssn", "mapl")
+BYTE_KINDS: tuple[tuple[str, str], ...] = (
+    ("boundary_forward", "boundary, forward"),
+    ("boundary_backward", "boundary, backward"),
+    ("upload", "upload (SparseLoCo)"),
+    ("dense_upload_equivalent", "dense upload equivalent"),
+)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _group_order(key: tuple[str, str]) -> tuple[int, str, int, str]:
+    """Known arms first in a fixed order, then strategies in the study's order."""
+    arm, strategy = key
+    arm_rank = _ARM_ORDER.index(arm) if arm in _ARM_ORDER else len(_ARM_ORDER)
+    strat_rank = STRATEGY_ORDER.index(strategy) if strategy in STRATEGY_ORDER else len(STRATEGY_ORDER)
+    return (arm_rank, arm, strat_rank, strategy)
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}%"
+
+
+# --- robustness curves (the blog's Figure 3) -------------------------------------------------
+
+def _curve_points(items: Iterable[Mapping[str, Any]]) -> list[tuple[float, float, float, float, int]]:
+    """(p%, mean, low, high, n_seeds) sorted by p, starting at (0, 0, 0, 0).
+
+    A missing interval (one seed) collapses the band onto the mean, and the band is widened to
+    contain the mean, so the shaded area is never drawn beside its own curve.
+    """
+    points: dict[float, tuple[float, float, float, float, int]] = {}
+    for item in items:
+        p, mean = item.get("p"), item.get("mean_pct")
+        if not (_finite(p) and _finite(mean)):
+            continue
+        low = item.get("ci_low_pct")
+        high = item.get("ci_high_pct")
+        low = min(low, mean) if _finite(low) else mean
+        high = max(high, mean) if _finite(high) else mean
+        points[100.0 * p] = (100.0 * p, mean, low, high, int(item.get("n_seeds") or 0))
+    # The relative increase is 0 at p = 0 by definition; draw it even if the row is absent.
+    points.setdefault(0.0, (0.0, 0.0, 0.0, 0.0, 0))
+    return [points[x] for x in sorted(points)]
+
+
+def _band_trace(name: str, color: str, pts: Sequence[tuple[float, float, float, float, int]]
+                ) -> go.Scatter:
+    xs = [pt[0] for pt in pts]
+    return go.Scatter(
+        x=xs + xs[::-1], y=[pt[3] for pt in pts] + [pt[2] for pt in pts][::-1],
+        fill="toself", fillcolor=rgba(color, 0.16), line={"width": 0}, mode="lines",
+        hoverinfo="skip", showlegend=False, legendgroup=name, name=f"{name} (95% interval)",
+    )
+
+
+def _mean_trace(name: str, color: str, strategy: str,
+                pts: Sequence[tuple[float, float, float, float, int]]) -> go.Scatter:
+    custom = [[f"{pt[2]:+.2f}", f"{pt[3]:+.2f}", pt[4]] for pt in pts]
+    return go.Scatter(
+        x=[pt[0] for pt in pts], y=[pt[1] for pt in pts], mode="lines+markers", name=name,
+        legendgroup=name, customdata=custom,
+        line={"color": color, "dash": STRATEGY_DASH.get(strategy, "longdash"), "width": 2.5},
+        marker={"symbol": STRATEGY_SYMBOL.get(strategy, "x"), "size": 8, "color": color},
+        hovertemplate=(f"<b>{name}</b><br>p = %{{x:.1f}}%<br>loss increase = %{{y:+.2f}}%"
+                       "<br>95% interval [%{customdata[0]}, %{customdata[1]}]%"
+                       "<br>seeds: %{customdata[2]}<extra></extra>"),
+    )
+
+
+def _robustness_groups(items: Sequence[Mapping[str, Any]]
+                       ) -> dict[tuple[str, str, str], list[Mapping[str, Any]]]:
+    """(arm, strategy, duration suffix) -> items; the suffix is set only when the sweep mixes
+    failure durations (otherwise two durations would be drawn as one zig-zag curve)."""
+    several = len({item.get("duration") for item in items}) > 1
+    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for item in items:
+        suffix = f", {item.get('duration')}-step failures" if several else ""
+        groups[(str(item.get("compression")), str(item.get("strategy")), suffix)].append(item)
+    return groups
+
+
+def robustness_curves(robustness: Mapping[str, Any]) -> go.Figure:
+    """Relative validation-loss increase vs failure probability, one curve per arm x strategy.
+
+    Input: the registry's robustness summary (`items` with compression, strategy, p, mean_pct,
+    ci_low_pct, ci_high_pct, n_seeds, and duration). Output: per arm x strategy a translucent
+    95% band trace followed by its mean trace (colour = arm, dash = strategy); every curve starts
+    at (0, 0).
+    """
+    groups = _robustness_groups(list(robustness.get("items") or []))
+    title = "Robustness: loss increase vs failure rate (each arm against its own baseline)"
+    if not groups:
+        return empty_figure(title=title, message="No robustness numbers yet: no arm has both a "
+                            "finished baseline (p = 0) and a finished failure run.")
+    fig = go.Figure()
+    for key in sorted(groups, key=lambda k: (*_group_order(k[:2]), k[2])):
+        arm, strategy, suffix = key
+        name, color = series_name(arm, strategy) + suffix, arm_color(arm)
+        pts = _curve_points(groups[key])
+        fig.add_trace(_band_trace(name, color, pts))
+        fig.add_trace(_mean_trace(name, color, strategy, pts))
+    base_layout(fig, title=title, x_title=P_AXIS_TITLE,
+                y_title="Validation-loss increase vs own baseline (%)",
+                legend_title="Arm · strategy (band: 95% interval)")
+    fig.update_yaxes(zeroline=True, zerolinecolor="#999", ticksuffix="%")
+    fig.update_xaxes(ticksuffix="%", rangemode="tozero")
+    return fig
+
+
+# --- the Table-1 view -------------------------------------------------------------------------
+
+def _column_label(column: str) -> str:
+    """"ssn/skip" -> "SSN · skip"; "ssn/skip@d6" -> "SSN · skip, 6-step failures"."""
+    column, _, duration = column.partition("@d")
+    arm, _, strategy = column.partition("/")
+    label = series_name(arm, strategy) if strategy else arm_label(arm)
+    return f"{label}, {duration}-step failures" if duration else label
+
+
+def _column_order(column: str) -> tuple[int, str, int, str]:
+    """Known arms first, then skip before drop (the registry sorts columns alphabetically)."""
+    arm, _, strategy = column.partition("@d")[0].partition("/")
+    return _group_order((arm, strategy))
+
+
+def _cell_text(cell: Mapping[str, Any] | None) -> str:
+    if not cell or not _finite(cell.get("mean_pct")):
+        return "—"
+    low, high = cell.get("ci_low_pct"), cell.get("ci_high_pct")
+    seeds = cell.get("n_seeds") or 0
+    interval = (f"[{low:+.2f}, {high:+.2f}]" if _finite(low) and _finite(high)
+                else "(no interval)")
+    return f"<b>{cell['mean_pct']:+.2f}%</b> {interval} n={seeds}"
+
+
+def robustness_table(table: Mapping[str, Any]) -> go.Figure:
+    """The blog's Table 1: p rows x arm/strategy columns, mean increase with its 95% interval.
+
+    Input: the registry's table (`columns` like "ssn/skip", `rows` with p and `cells`, a cell
+    being None where no number exists). Output: one `go.Table` trace; a missing cell reads "—".
+    """
+    columns: list[str] = sorted(table.get("columns") or [], key=_column_order)
+    # p = 0 rows are 0 by definition (each arm against itself): the blog's table leaves them out.
+    rows = [row for row in table.get("rows") or [] if _finite(row.get("p")) and row["p"] > 0]
+    title = "Table 1: validation-loss increase (%) [95% interval], by failure rate"
+    if not columns or not rows:
+        return empty_figure(title=title, message="No table yet: waiting for finished runs.",
+                            height=220)
+    rows.sort(key=lambda row: row["p"])
+    values = [[f"{100.0 * row['p']:g}%" for row in rows]]
+    for column in columns:
+        values.append([_cell_text((row.get("cells") or {}).get(column)) for row in rows])
+    shade = [["#f7f7f7" if i % 2 else "white" for i in range(len(rows))]] * len(values)
+    fig = go.Figure(go.Table(
+        columnwidth=[0.8] + [1.6] * len(columns),
+        header={"values": ["<b>failure rate p</b>"]
+                + [f"<b>{_column_label(c)}</b>" for c in columns],
+                "fill_color": "#e8eef5", "align": "center", "height": 44,
+                "font": {"size": 13}},
+        cells={"values": values, "fill_color": shade, "align": "center", "height": 32,
+               "font": {"size": 13}},
+    ))
+    fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 18}},
+                      height=80 + 44 + 32 * len(rows), margin={"l": 10, "r": 10, "t": 56, "b": 4},
+                      font={"family": "system-ui, sans-serif"})
+    return fig
+
+
+# --- validation loss against the baseline -----------------------------------------------------
+
+def val_loss_points(*, metrics: Sequence[Mapping[str, Any]] | None = None,
+                    summary: Mapping[str, Any] | None = None) -> list[tuple[float, float]]:
+    """(tokens, val_loss) pairs of a run, from its `val_loss` metric rows, else its summary evals.
+
+    Rows without tokens or with a non-finite value are dropped; the result is sorted by tokens.
+    """
+    points = [(row.get("tokens"), row.get("value")) for row in metrics or []
+              if row.get("name") == "val_loss" and row.get("replica") is None]
+    points = [(t, v) for t, v in points if _finite(t) and _finite(v)]
+    if not points and summary:
+        points = [(ev.get("tokens"), ev.get("val_loss")) for ev in summary.get("evals") or []]
+        points = [(t, v) for t, v in points if _finite(t) and _finite(v)]
+    return sorted((float(t), float(v)) for t, v in points)
+
+
+def loss_curves(series: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Validation loss over tokens for runs and their baselines.
+
+    Input: items {name, points: [(tokens, val_loss)], compression, strategy, baseline: bool}.
+    A run is drawn in its arm colour and strategy dash; a baseline as a black dotted line.
+    """
+    fig = go.Figure()
+    for item in series:
+        points = list(item.get("points") or [])
+        if not points:
+            continue
+        is_baseline = bool(item.get("baseline"))
+        color = "#000000" if is_baseline else arm_color(str(item.get("compression")))
+        dash = "dot" if is_baseline else STRATEGY_DASH.get(str(item.get("strategy")), "solid")
+        fig.add_trace(go.Scatter(
+            x=[pt[0] for pt in points], y=[pt[1] for pt in points], mode="lines+markers",
+            name=str(item.get("name")), line={"color": color, "dash": dash, "width": 2.5},
+            marker={"size": 6}, hovertemplate="tokens %{x:,.0f}<br>val loss %{y:.4f}<extra>"
+            + str(item.get("name")) + "</extra>",
+        ))
+    title = "Validation loss vs tokens, against the no-failure baseline"
+    if not fig.data:
+        return empty_figure(title=title, message="No validation loss recorded yet.")
+    base_layout(fig, title=title, x_title="Tokens processed",
+                y_title="Validation loss (nats / token)")
+    fig.update_xaxes(tickformat="~s")
+    _legend_below(fig)
+    return fig
+
+
+def _legend_below(fig: go.Figure) -> None:
+    """A horizontal legend under the x-axis title (anchored to the container, not the axes)."""
+    fig.update_layout(legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 0,
+                              "yanchor": "bottom", "yref": "container"},
+                      margin={"b": 100})
+    fig.update_layout(height=(fig.layout.height or 450) + 40)
+
+
+# --- the fault timeline -----------------------------------------------------------------------
+
+_MITIGATION_LABEL = {"skip": "stage skipped (bypass)", "drop": "tokens dropped",
+                     "drop_extend": "tokens dropped, run extended",
+                     "reroute": "rerouted via donor replica"}
+_MITIGATION_COLOR = {"skip": "#0072B2", "drop": "#D55E00", "drop_extend": "#E69F00",
+                     "reroute": "#009E73"}
+_EVENT_MARKERS = {  # kind -> (legend label, symbol, colour)
+    "contribution_missing": ("contribution missing", "x-thin-open", "#555555"),
+    "contribution_rejected": ("contribution rejected", "x", "#CC79A7"),
+    "rejoin": ("stage rejoined (state reset)", "triangle-right", "#009E73"),
+    "reroute": ("rerouted (donor in hover)", "star", "#56B4E9"),
+}
+_MARKER_OFFSET = 0.42  # markers sit just above a replica's bar, clear of its stage label
+
+
+def _mitigation(fault: Mapping[str, Any], bypasses: Sequence[Mapping[str, Any]],
+                default: str) -> str:
+    """The strategy a bypass event recorded inside the fault's window, else the run's."""
+    start, stop = fault["start"], fault["start"] + fault["duration"]
+    for event in bypasses:
+        step = event.get("global_step")
+        if event.get("replica") == fault["replica"] and _finite(step) and start <= step < stop:
+            strategy = (event.get("detail") or {}).get("strategy")
+            if strategy:
+                return str(strategy)
+    return default
+
+
+def _fault_bars(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]],
+                strategy: str) -> list[go.Bar]:
+    bypasses = [e for e in events if e.get("kind") == "bypass"]
+    by_mitigation: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for fault in faults:
+        by_mitigation[_mitigation(fault, bypasses, strategy)].append(fault)
+    bars = []
+    for mitigation in sorted(by_mitigation, key=lambda m: _group_order(("", m))):
+        group = by_mitigation[mitigation]
+        bars.append(go.Bar(
+            orientation="h", name=f"stage down: {_MITIGATION_LABEL.get(mitigation, mitigation)}",
+            y=[f["replica"] for f in group], x=[f["duration"] for f in group],
+            base=[f["start"] for f in group], width=0.6,
+            text=[f"stage {f['stage']}" for f in group], textposition="inside",
+            insidetextanchor="middle", textfont={"color": "white", "size": 12},
+            marker={"color": _MITIGATION_COLOR.get(mitigation, OKABE_ITO[-1]),
+                    "pattern": {"shape": STRATEGY_PATTERN.get(mitigation, ""),
+                                "fgcolor": "white", "fgopacity": 0.55, "size": 8},
+                    "line": {"color": "white", "width": 1}},
+            customdata=[[f["stage"], f["start"], f["start"] + f["duration"]] for f in group],
+            hovertemplate=("replica %{y}, stage %{customdata[0]} down<br>global steps "
+                           "%{customdata[1]} to %{customdata[2]}<extra>" + mitigation
+                           + "</extra>"),
+        ))
+    return bars
+
+
+def _event_markers(events: Sequence[Mapping[str, Any]]) -> list[go.Scatter]:
+    markers = []
+    for kind, (label, symbol, color) in _EVENT_MARKERS.items():
+        rows = [e for e in events if e.get("kind") == kind and e.get("replica") is not None
+                and _finite(e.get("global_step"))]
+        if not rows:
+            continue
+        hover = [f"{label}<br>step {e['global_step']}, stage {e.get('stage', '?')}"
+                 + (f", donor replica {(e.get('detail') or {}).get('donor')}"
+                    if kind == "reroute" else "") for e in rows]
+        markers.append(go.Scatter(
+            # a rejoin happens at a step boundary; the others belong to the whole step
+            x=[e["global_step"] + (0.0 if kind == "rejoin" else 0.5) for e in rows],
+            y=[e["replica"] - _MARKER_OFFSET for e in rows], mode="markers", name=label,
+            marker={"symbol": symbol, "size": 9, "color": color, "line": {"width": 1.5, "color": color}},
+            hovertext=hover, hoverinfo="text",
+        ))
+    return markers
+
+
+def fault_timeline(*, faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]],
+                   strategy: str, replicas: int | None = None,
+                   global_steps: int | None = None) -> go.Figure:
+    """Replica x global step: each failure a horizontal bar on a step axis, labelled by stage.
+
+    Input: the run summary's faults [{replica, stage, start, duration}], the run's events (bypass
+    events say which strategy handled a failure; rejoin, contribution_missing/rejected and reroute
+    become markers) and the run's strategy. Bar colour and fill pattern name the mitigation.
+    """
+    title = "Fault timeline: which stage was down, when, and how the replica coped"
+    valid = [f for f in faults if all(_finite(f.get(k)) for k in ("replica", "stage", "start",
+                                                                   "duration"))]
+    if not valid:
+        return empty_figure(title=title, message="No failures in this run.", height=220)
+    fig = go.Figure([*_fault_bars(valid, events, strategy), *_event_markers(events)])
+    n_replicas = replicas or int(max(f["replica"] for f in valid)) + 1
+    last_step = global_steps or int(max(f["start"] + f["duration"] for f in valid))
+    base_layout(fig, title=title, x_title="Global step (outer round)", y_title="Replica",
+                height=max(300, 120 + 46 * n_replicas))
+    fig.update_layout(barmode="overlay", bargap=0.3)
+    _legend_below(fig)
+    fig.update_xaxes(range=[0, last_step], type="linear", dtick=max(1, last_step // 20))
+    fig.update_yaxes(tickvals=list(range(n_replicas)), range=[n_replicas - 0.4, -0.8],
+                     ticktext=[f"replica {r}" for r in range(n_replicas)], showgrid=False)
+    return fig
+
+
+# --- token accounting and bytes ---------------------------------------------------------------
+
+def _token_share(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[float, list[float]]]:
+    """(arm, strategy) -> p% -> [processed / budget in %]; baselines join every strategy of their arm."""
+    shares: dict[tuple[str, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    baselines: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        budget, done, p = run.get("tokens_budget"), run.get("tokens_processed"), run.get("p")
+        if not (_finite(budget) and budget > 0 and _finite(done) and _finite(p)):
+            continue
+        share = 100.0 * done / budget
+        if p == 0:
+            baselines[str(run.get("compression"))][0.0].append(share)
+        else:
+            shares[(str(run.get("compression")), str(run.get("strategy")))][100.0 * p].append(share)
+    for (arm, _strategy), by_p in shares.items():
+        for p, values in baselines.get(arm, {}).items():
+            by_p[p].extend(values)
+    for arm, by_p in baselines.items():  # a sweep with only baselines still shows them
+        if not any(key[0] == arm for key in shares):
+            shares[(arm, "skip")].update(by_p)
+    return shares
+
+
+def token_accounting(runs: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Tokens processed as a share of the token budget vs failure rate, per arm x strategy.
+
+    Input: run dicts (compression, strategy, p, tokens_budget, tokens_processed); unfinished runs
+    (no tokens) are left out. Mean over seeds; 100% = the no-failure budget.
+    """
+    title = "Token accounting: tokens processed vs budget"
+    shares = _token_share(runs)
+    if not shares:
+        return empty_figure(title=title, message="No finished runs with token counts yet.")
+    fig = go.Figure()
+    for key in sorted(shares, key=_group_order):
+        arm, strategy = key
+        name, by_p = series_name(arm, strategy), shares[key]
+        xs = sorted(by_p)
+        fig.add_trace(go.Scatter(
+            x=xs, y=[sum(by_p[x]) / len(by_p[x]) for x in xs], mode="lines+markers", name=name,
+            line={"color": arm_color(arm), "dash": STRATEGY_DASH.get(strategy, "solid")},
+            marker={"symbol": STRATEGY_SYMBOL.get(strategy, "x"), "size": 8},
+            hovertemplate=f"<b>{name}</b><br>p = %{{x:.1f}}%<br>%{{y:.1f}}% of budget<extra></extra>",
+        ))
+    base_layout(fig, title=title, x_title=P_AXIS_TITLE, y_title="Tokens processed (% of budget)",
+                height=400)
+    _legend_below(fig)
+    fig.add_hline(y=100, line={"color": "#999", "dash": "dot", "width": 1})
+    fig.update_xaxes(ticksuffix="%", rangemode="tozero")
+    fig.update_yaxes(ticksuffix="%")
+    return fig
+
+
+def bytes_sent(runs: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Mean megabytes sent per run and arm: boundary forward/backward, upload, dense equivalent.
+
+    Input: run dicts whose `summary.bytes` holds the byte counters. Log axis, because the
+    compressed and dense volumes differ by orders of magnitude; zero counters are not drawn.
+    """
+    title = "Communication: megabytes sent per run, by compression arm"
+    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        counters = (run.get("summary") or {}).get("bytes") or {}
+        for kind, _label in BYTE_KINDS:
+            if _finite(counters.get(kind)):
+                totals[str(run.get("compression"))][kind].append(counters[kind] / 1e6)
+    if not totals:
+        return empty_figure(title=title, message="No finished runs with byte counters yet.")
+    arms = sorted(totals, key=lambda arm: _group_order((arm, "")))
+    fig = go.Figure()
+    colors = ("#0072B2", "#56B4E9", "#D55E00", "#999999")
+    for (kind, label), color in zip(BYTE_KINDS, colors, strict=True):
+        means = [sum(totals[a][kind]) / len(totals[a][kind]) if totals[a][kind] else None
+                 for a in arms]
+        shown = [m if m is not None and m > 0 else None for m in means]
+        if all(m is None for m in shown):
+            continue
+        fig.add_trace(go.Bar(
+            y=[arm_label(a) for a in arms], x=shown, name=label, orientation="h",
+            marker={"color": color}, text=[f"{m:.3g} MB" if m else "" for m in shown],
+            textposition="outside", cliponaxis=False,
+            hovertemplate=f"{label}<br>%{{y}}: %{{x:.4g}} MB<extra></extra>",
+        ))
+    base_layout(fig, title=title, x_title="MB per run (log scale)", y_title="Compression arm",
+                height=max(400, 160 + 90 * len(arms)))
+    # Horizontal bars keep the value labels apart; arms read top-down in the usual order.
+    fig.update_layout(barmode="group")
+    _legend_below(fig)
+    shown_all = [v for trace in fig.data for v in trace.x if v]
+    # log-axis range in decades, padded right so the outside value labels are not clipped
+    fig.update_xaxes(type="log", dtick=1, range=[math.log10(min(shown_all)) - 0.3,
+                                                math.log10(max(shown_all)) + 0.6])
+    fig.update_yaxes(autorange="reversed")
+    return fig

@@ -1,0 +1,242 @@
+"""Figure builders on hand-built registry-shaped data: traces, names, styles, axes, no NaN."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import plotly.graph_objects as go
+import pytest
+
+from dashboards import figures, sample
+from dashboards.style import arm_color, series_name
+
+
+def _numbers(fig: go.Figure) -> list[float]:
+    out: list[float] = []
+    for trace in fig.to_plotly_json()["data"]:
+        for key in ("x", "y", "base"):
+            values = trace.get(key)
+            if values is None:
+                continue
+            out.extend(v for v in values if isinstance(v, (int, float)))
+    return out
+
+
+def _means(fig: go.Figure) -> list[Any]:
+    return [t for t in fig.data if t.mode == "lines+markers"]
+
+
+def _bands(fig: go.Figure) -> list[Any]:
+    return [t for t in fig.data if t.fill == "toself"]
+
+
+def test_robustness_curves_one_band_and_one_mean_per_arm_and_strategy() -> None:
+    fig = figures.robustness_curves(sample.robustness())
+    assert len(fig.data) == 2 * len(sample.ARMS) * len(sample.STRATEGIES)
+    names = {t.name for t in _means(fig)}
+    assert names == {series_name(a, s) for a in sample.ARMS for s in sample.STRATEGIES}
+    assert "uncompressed · skip" in names and "SSN · drop" in names
+    assert all(not band.showlegend for band in _bands(fig))
+
+
+def test_robustness_curves_style_colour_is_arm_dash_is_strategy() -> None:
+    fig = figures.robustness_curves(sample.robustness())
+    for trace in _means(fig):
+        arm = "none" if trace.name.startswith("uncompressed") else "ssn"
+        assert trace.line.color == arm_color(arm)
+        assert trace.line.dash == ("solid" if trace.name.endswith("skip") else "dash")
+    assert arm_color("none") != arm_color("ssn")
+
+
+def test_robustness_curves_axes_have_titles_with_units() -> None:
+    fig = figures.robustness_curves(sample.robustness())
+    assert "(%)" in fig.layout.xaxis.title.text and "probability" in fig.layout.xaxis.title.text
+    assert "(%)" in fig.layout.yaxis.title.text and "baseline" in fig.layout.yaxis.title.text
+    assert fig.layout.title.text
+
+
+def test_robustness_curves_start_at_zero_and_use_percent() -> None:
+    fig = figures.robustness_curves(sample.robustness())
+    for trace in _means(fig):
+        assert trace.x[0] == 0.0 and trace.y[0] == 0.0
+        assert list(trace.x) == sorted(trace.x)
+        assert max(trace.x) == pytest.approx(100 * max(sample.PS))
+
+
+def test_robustness_curves_start_at_zero_even_without_a_p0_row() -> None:
+    summary = sample.robustness()
+    summary["items"] = [i for i in summary["items"] if i["p"] > 0]
+    for trace in _means(figures.robustness_curves(summary)):
+        assert (trace.x[0], trace.y[0]) == (0.0, 0.0)
+
+
+def test_robustness_band_contains_the_mean_including_single_seed_points() -> None:
+    fig = figures.robustness_curves(sample.robustness())
+    for band, mean in zip(_bands(fig), _means(fig), strict=True):
+        n = len(mean.x)
+        upper, lower = list(band.y[:n]), list(band.y[n:])[::-1]
+        assert list(band.x[:n]) == list(mean.x)
+        for low, mid, high in zip(lower, mean.y, upper, strict=True):
+            assert low <= mid <= high
+    one_seed = next(t for t in _means(fig) if t.name == "SSN · drop")
+    assert one_seed.customdata[-1][2] == 1  # the hover says one seed
+
+
+def test_robustness_figures_hold_no_nan() -> None:
+    summary = sample.robustness()
+    summary["items"].append({"compression": "ssn", "strategy": "skip", "duration": 6,
+                             "p": 0.3, "mean_pct": float("nan"), "ci_low_pct": None,
+                             "ci_high_pct": None, "n_seeds": 1, "run_ids": []})
+    fig = figures.robustness_curves(summary)
+    assert all(math.isfinite(v) for v in _numbers(fig))
+    assert "NaN" not in fig.to_json()
+
+
+def test_robustness_curves_separate_failure_durations_when_mixed() -> None:
+    summary = sample.robustness()
+    extra = [dict(i, duration=3) for i in summary["items"] if i["compression"] == "ssn"]
+    summary["items"] += extra
+    names = [t.name for t in _means(figures.robustness_curves(summary))]
+    assert "SSN · skip, 3-step failures" in names and "SSN · skip, 6-step failures" in names
+
+
+def test_robustness_curves_empty_state_says_why() -> None:
+    fig = figures.robustness_curves({"items": [], "missing_baselines": [], "pending_runs": 3})
+    assert len(fig.data) == 0
+    assert "baseline" in fig.layout.annotations[0].text
+
+
+def test_table_has_p_rows_arm_columns_and_marks_missing_cells() -> None:
+    fig = figures.robustness_table(sample.table())
+    (table,) = fig.data
+    header = list(table.header.values)
+    assert header[1:] == ["<b>uncompressed · skip</b>", "<b>uncompressed · drop</b>",
+                          "<b>SSN · skip</b>", "<b>SSN · drop</b>"]
+    columns = list(table.cells.values)
+    assert columns[0] == ["10%", "20%"]
+    assert columns[1][0] == "<b>+1.00%</b> [+0.70, +1.30] n=2"
+    assert columns[2][1] == "—"                      # none/drop at p = 0.2 is missing
+    assert "no interval" in columns[4][1]            # ssn/drop at 0.2 has one seed
+
+
+def test_table_labels_durations_and_empty_state() -> None:
+    fig = figures.robustness_table({"columns": ["ssn/skip@d3"], "rows": [
+        {"p": 0.1, "cells": {"ssn/skip@d3": None}}]})
+    assert fig.data[0].header.values[1] == "<b>SSN · skip, 3-step failures</b>"
+    empty = figures.robustness_table({"columns": [], "rows": []})
+    assert len(empty.data) == 0 and empty.layout.annotations
+
+
+def test_val_loss_points_prefer_metrics_and_drop_non_finite() -> None:
+    summ = sample.summary(p=0.1, strategy="skip", arm="ssn")
+    metrics = sample.val_loss_metrics(summ)
+    metrics.append({"name": "val_loss", "global_step": 99, "tokens": 1, "replica": None,
+                    "value": float("inf")})
+    metrics.append({"name": "train_loss", "global_step": 1, "tokens": 1, "replica": 0,
+                    "value": 9.0})
+    points = figures.val_loss_points(metrics=metrics, summary=None)
+    assert points == [(float(e["tokens"]), e["val_loss"]) for e in summ["evals"]]
+    assert figures.val_loss_points(metrics=[], summary=summ) == points
+
+
+def test_loss_curves_draw_run_in_arm_style_and_baseline_dotted() -> None:
+    summ = sample.summary(p=0.1, strategy="drop", arm="ssn")
+    base = sample.summary(p=0.0, strategy="skip", arm="ssn")
+    fig = figures.loss_curves([
+        {"name": "run", "compression": "ssn", "strategy": "drop",
+         "points": figures.val_loss_points(summary=summ)},
+        {"name": "baseline", "baseline": True, "points": figures.val_loss_points(summary=base)},
+    ])
+    run, baseline = fig.data
+    assert (run.line.color, run.line.dash) == (arm_color("ssn"), "dash")
+    assert baseline.line.dash == "dot"
+    assert fig.layout.xaxis.title.text == "Tokens processed"
+    assert "nats" in fig.layout.yaxis.title.text
+    assert len(figures.loss_curves([{"name": "x", "points": []}]).data) == 0
+
+
+def _timeline(strategy: str, events: list[dict[str, Any]]) -> go.Figure:
+    summ = sample.summary(p=0.1, strategy=strategy, arm="ssn")
+    return figures.fault_timeline(faults=summ["faults"], events=events, strategy=strategy,
+                                  replicas=4, global_steps=20)
+
+
+def test_fault_timeline_is_horizontal_bars_on_a_step_axis() -> None:
+    fig = _timeline("skip", sample.events(strategy="skip"))
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    (bar,) = bars
+    assert bar.orientation == "h"
+    assert list(bar.base) == [3, 10] and list(bar.x) == [6, 6] and list(bar.y) == [1, 3]
+    assert list(bar.text) == ["stage 1", "stage 2"]
+    assert fig.layout.xaxis.type == "linear"
+    assert "Global step" in fig.layout.xaxis.title.text
+    assert list(fig.layout.yaxis.ticktext) == [f"replica {r}" for r in range(4)]
+    markers = {t.name for t in fig.data if isinstance(t, go.Scatter)}
+    assert markers == {"contribution missing", "stage rejoined (state reset)"}
+
+
+def test_fault_timeline_shows_mitigations_distinctly() -> None:
+    events = sample.events(strategy="skip")
+    for event in events:  # the second failure was handled by rerouting
+        if event["kind"] == "bypass" and event["replica"] == 3:
+            event["detail"] = {"strategy": "reroute"}
+    events.append({"id": "reroute:10:3:2:0", "kind": "reroute", "global_step": 10,
+                   "replica": 3, "stage": 2, "detail": {"donor": 0}})
+    fig = _timeline("skip", events)
+    bars = {t.name: t for t in fig.data if isinstance(t, go.Bar)}
+    assert set(bars) == {"stage down: stage skipped (bypass)",
+                         "stage down: rerouted via donor replica"}
+    skip, reroute = bars.values()
+    assert skip.marker.color != reroute.marker.color
+    assert skip.marker.pattern.shape != reroute.marker.pattern.shape
+    star = next(t for t in fig.data if t.name.startswith("rerouted"))
+    assert "donor replica 0" in star.hovertext[0]
+    drop = _timeline("drop", sample.events(strategy="drop"))
+    assert drop.data[0].name == "stage down: tokens dropped"
+
+
+def test_fault_timeline_without_failures_says_so() -> None:
+    fig = figures.fault_timeline(faults=[], events=[], strategy="skip", replicas=4)
+    assert len(fig.data) == 0 and "No failures" in fig.layout.annotations[0].text
+
+
+def test_token_accounting_skip_keeps_budget_drop_loses_tokens() -> None:
+    runs = sample.runs()
+    runs.append(dict(runs[0], tokens_processed=None, status="running"))  # unfinished: ignored
+    fig = figures.token_accounting(runs)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {series_name(a, s) for a in sample.ARMS for s in sample.STRATEGIES}
+    skip, drop = by_name["SSN · skip"], by_name["SSN · drop"]
+    assert list(skip.x) == [0.0, 10.0, 20.0] and all(y == 100.0 for y in skip.y)
+    assert drop.y[0] == 100.0 and drop.y[1] < 100.0 and drop.y[2] < drop.y[1]
+    assert "% of budget" in fig.layout.yaxis.title.text
+
+
+def test_bytes_sent_groups_counters_per_arm_in_megabytes() -> None:
+    fig = figures.bytes_sent(sample.runs())
+    assert [t.name for t in fig.data] == [label for _, label in figures.BYTE_KINDS]
+    forward = fig.data[0]
+    assert list(forward.y) == ["uncompressed", "SSN"]
+    assert list(forward.x) == pytest.approx([2.0, 0.25])
+    assert fig.layout.xaxis.type == "log" and "MB" in fig.layout.xaxis.title.text
+    assert len(figures.bytes_sent([{"compression": "ssn", "summary": {}}]).data) == 0
+
+
+@pytest.mark.parametrize("builder", ["robustness", "table", "tokens", "bytes", "loss", "faults"])
+def test_every_figure_serialises_to_json_without_nan(builder: str) -> None:
+    summ = sample.summary(p=0.1, strategy="skip", arm="none")
+    fig = {
+        "robustness": lambda: figures.robustness_curves(sample.robustness()),
+        "table": lambda: figures.robustness_table(sample.table()),
+        "tokens": lambda: figures.token_accounting(sample.runs()),
+        "bytes": lambda: figures.bytes_sent(sample.runs()),
+        "loss": lambda: figures.loss_curves([{"name": "r", "compression": "none",
+                                              "strategy": "skip",
+                                              "points": figures.val_loss_points(summary=summ)}]),
+        "faults": lambda: _timeline("skip", sample.events()),
+    }[builder]()
+    text = fig.to_json()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text)["layout"]["title"]["text"]
+    assert all(math.isfinite(v) for v in _numbers(fig))
