@@ -124,6 +124,8 @@ class JsonlCallback:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.events_path = self.out_dir / "events.jsonl"
+        for path in (self.metrics_path, self.events_path):
+            _drop_torn_tail(path)
         self._metric_keys = {self._metric_key(r) for r in _read_jsonl(self.metrics_path)}
         self._event_ids = {r["id"] for r in _read_jsonl(self.events_path)}
         self._metrics = open(self.metrics_path, "a", encoding="utf-8")
@@ -156,6 +158,17 @@ class JsonlCallback:
         self.flush()
         self._metrics.close()
         self._events.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line that a killed process left half-written, so appends start clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(end)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -18,11 +18,11 @@ __all__ = ["PRESETS", "PresetInfo", "get_preset", "tokens_per_global_step", "par
 def smoke() -> Config:
     return Config(
         preset="smoke",
-        model=ModelConfig(d_model=64, layers=4, heads=4, seq_len=64),
+        model=ModelConfig(d_model=64, layers=4, heads=4, seq_len=32),
         pipeline=PipelineConfig(stages=4, factor=8),
         sparseloco=SparseLoCoConfig(inner_steps=4),
-        train=TrainConfig(global_steps=12, batch_size=4, lr=3e-3, warmup_steps=8,
-                          eval_every=4, eval_batches=4),
+        train=TrainConfig(global_steps=10, batch_size=4, lr=5e-3, warmup_steps=8,
+                          eval_every=5, eval_batches=4),
         faults=FaultConfig(duration=3),
     )
 
@@ -64,7 +64,7 @@ class PresetInfo:
 
 
 PRESETS: dict[str, PresetInfo] = {
-    "smoke": PresetInfo(smoke, "tiny model for tests and demos", "~5 s"),
+    "smoke": PresetInfo(smoke, "tiny model for tests and demos", "~10 s"),
     "small": PresetInfo(small, "loss curves that mean something", "~3 min"),
     "paper-178m": PresetInfo(paper_178m, "the blog's 178M, R=8 S=4, Chinchilla tokens (GPU)",
                              "days; use a GPU"),
