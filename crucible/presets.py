@@ -30,10 +30,10 @@ def smoke() -> Config:
 def small() -> Config:
     return Config(
         preset="small",
-        model=ModelConfig(d_model=128, layers=8, heads=4, seq_len=128),
+        model=ModelConfig(d_model=128, layers=4, heads=4, seq_len=64),
         pipeline=PipelineConfig(stages=4, factor=8),
         sparseloco=SparseLoCoConfig(inner_steps=8),
-        train=TrainConfig(global_steps=40, batch_size=8, lr=2e-3, warmup_steps=30,
+        train=TrainConfig(global_steps=30, batch_size=4, lr=3e-3, warmup_steps=20,
                           eval_every=5, eval_batches=8, checkpoint_every=10),
         faults=FaultConfig(duration=6),
     )

@@ -67,6 +67,8 @@ class RunCounters:
     initial_val_loss: float | None = None
     evals: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
+    timing: dict[str, float] = field(default_factory=lambda: {"inner_s": 0.0, "sync_s": 0.0,
+                                                              "eval_s": 0.0})
 
     @classmethod
     def empty(cls, *, replicas: int, stages: int) -> RunCounters:
@@ -134,11 +136,11 @@ class RunCounters:
             "donor_load": self.donor_load.tolist(),
             "donor_extra_fraction": int(self.donor_load.sum()) / normal_batches,
             "wall_s": self.wall_s,
+            "timing": dict(self.timing),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items()}
-        return state
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():

@@ -10,6 +10,7 @@ every inner step, and here only the global copy is refreshed.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ class OuterSync:
         self.errors = [{n: torch.zeros((R, *t.shape), dtype=torch.float32, device=t.device)
                         for n, t in w.items()} for w in self.global_weights]
         momentum = config.sparseloco.outer_momentum if self.method == "diloco" else 0.0
+        self.codec_s = {"encode": 0.0, "decode": 0.0}
         self.outer = [OuterSGD(lr=config.sparseloco.resolved_outer_lr, momentum=momentum,
                                nesterov=momentum > 0) for _ in range(S)]
 
@@ -80,7 +82,9 @@ class OuterSync:
             if not bool(contributes[replica]):
                 result.missing.append(replica)
                 continue
+            started = time.perf_counter()
             blob = self._encode(global_step, stage, replica)
+            self.codec_s["encode"] += time.perf_counter() - started
             upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
             result.made.append(replica)
             result.upload_bytes += len(blob)
@@ -118,10 +122,18 @@ class OuterSync:
 
     def _decoder(self, global_step: int, stage: int):
         shapes, sl = self.shapes[stage], self.config.sparseloco
-        if self.method == "diloco":
-            return lambda blob: decode_dense(blob, shapes, stage=stage, global_step=global_step)
-        return lambda blob: decode_contribution(blob, shapes, stage=stage, global_step=global_step,
-                                                chunk=sl.chunk, topk=sl.topk)
+
+        def decode(blob: bytes):
+            started = time.perf_counter()
+            try:
+                if self.method == "diloco":
+                    return decode_dense(blob, shapes, stage=stage, global_step=global_step)
+                return decode_contribution(blob, shapes, stage=stage, global_step=global_step,
+                                           chunk=sl.chunk, topk=sl.topk)
+            finally:
+                self.codec_s["decode"] += time.perf_counter() - started
+
+        return decode
 
     def _retract(self, stage: int) -> None:
         weights = self.global_weights[stage]
@@ -142,10 +154,12 @@ class OuterSync:
 
     def state_dict(self) -> dict[str, object]:
         return {"global_weights": self.global_weights, "errors": self.errors,
+                "codec_s": dict(self.codec_s),
                 "outer": [o.state_dict() for o in self.outer]}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.global_weights = [{n: t.clone() for n, t in w.items()} for w in state["global_weights"]]  # type: ignore[union-attr]
         self.errors = [{n: t.clone() for n, t in e.items()} for e in state["errors"]]  # type: ignore[union-attr]
+        self.codec_s = dict(state.get("codec_s", self.codec_s))  # type: ignore[arg-type]
         for opt, st in zip(self.outer, state["outer"], strict=True):  # type: ignore[arg-type]
             opt.load_state_dict(st)

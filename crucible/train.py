@@ -104,6 +104,7 @@ class Trainer:
             self.callback.flush()
             self._maybe_checkpoint(started, budget)
         self.counters.wall_s += time.perf_counter() - started
+        self.counters.timing.update({f"{k}_s": v for k, v in self.sync.codec_s.items()})
         return self.counters.summary(self.config, plan=self.plan.until(self.next_step),
                                      tokens_budget=budget, global_steps=self.next_step,
                                      synced_params=self.sync.param_count())
@@ -125,8 +126,12 @@ class Trainer:
         step = plan_step(self.plan, g, config=self.config)
         self._apply_rejoins(g)
         self._report_faults(g, step)
+        started = time.perf_counter()
         losses = self._inner_steps(g, step)
+        synced = time.perf_counter()
         results = self.sync.synchronise(g, step.contributes)
+        self.counters.timing["inner_s"] += synced - started
+        self.counters.timing["sync_s"] += time.perf_counter() - synced
         self.counters.record_sync(g, results, self.callback)
         self.counters.record_step(step, h=self.H, tokens_per_replica=self._tokens_per_replica(),
                                   config=self.config)
@@ -242,7 +247,9 @@ class Trainer:
     def _maybe_evaluate(self, budget: int) -> None:
         g = self.next_step
         if g % self.config.train.eval_every == 0 or self._finished(budget):
+            started = time.perf_counter()
             val = self.evaluate()
+            self.counters.timing["eval_s"] += time.perf_counter() - started
             if not torch.isfinite(torch.tensor(val)):
                 raise TrainingDiverged(f"validation loss is {val} after global step {g}")
             self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,

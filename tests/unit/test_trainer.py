@@ -10,7 +10,7 @@ from crucible.store import LocalStore
 from crucible.train import Trainer, train
 from tests.unit.helpers import tiny
 
-VOLATILE = ("wall_s", "run_key", "store_url", "versions")
+VOLATILE = ("wall_s", "run_key", "store_url", "versions", "timing")
 
 
 def _stable(summary):
