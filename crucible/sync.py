@@ -17,6 +17,7 @@ import torch
 
 from crucible import boundary
 from crucible.config import Config
+from crucible.errors import TrainingDiverged
 from crucible.gather import agree, load_agreed, upload_contribution
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import (OuterSGD, aggregate, decode_contribution, decode_dense,
@@ -110,12 +111,18 @@ class OuterSync:
         local = self.model.replica_weights(replica=replica, stage=stage)
         delta = {n: (self.global_weights[stage][n] - local[n]).float().cpu() for n in local}
         if self.method == "diloco":
-            return encode_dense(delta, stage=stage, replica=replica, global_step=global_step)
+            try:
+                return encode_dense(delta, stage=stage, replica=replica, global_step=global_step)
+            except ValueError as exc:
+                raise TrainingDiverged(str(exc)) from exc
         sl = self.config.sparseloco
         error = {n: buf[replica].cpu() for n, buf in self.errors[stage].items()}
-        blob, new_error = encode_contribution(delta, error, beta=sl.beta, stage=stage,
-                                              replica=replica, global_step=global_step,
-                                              chunk=sl.chunk, topk=sl.topk)
+        try:
+            blob, new_error = encode_contribution(delta, error, beta=sl.beta, stage=stage,
+                                                  replica=replica, global_step=global_step,
+                                                  chunk=sl.chunk, topk=sl.topk)
+        except ValueError as exc:  # a non-finite pseudo-gradient: the replica diverged
+            raise TrainingDiverged(str(exc)) from exc
         for n, buf in self.errors[stage].items():
             buf[replica].copy_(new_error[n])
         return blob

@@ -26,6 +26,7 @@ from crucible import boundary
 from crucible.checkpoint import load_latest, save_checkpoint
 from crucible.config import Config
 from crucible.data import TokenData, load_tokens
+from crucible.errors import TrainingDiverged
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
@@ -39,10 +40,6 @@ from crucible.sync import OuterSync
 __all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device"]
 
 log = logging.getLogger(__name__)
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite: deterministic, retrying will not help."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,6 +91,7 @@ class Trainer:
             self.counters.initial_val_loss = self.evaluate()
             self.counters.evals.append({"global_step": 0, "tokens": 0,
                                         "val_loss": self.counters.initial_val_loss})
+            self.callback.metric(Metric("val_loss", 0, self.counters.initial_val_loss, tokens=0))
         budget = tokens_per_global_step(self.config) * self.config.train.global_steps
         while not self._finished(budget):
             self.global_step(self.next_step)
@@ -295,21 +293,25 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version(), "git_sha": git_sha()}
 
 
-def _run_identity(out_dir: Path, config: Config, resume: bool) -> tuple[str, str]:
-    """The run's store key and store URL, fixed on the first start and reused on resume."""
+def _run_identity(out_dir: Path, config: Config, resume: bool,
+                  run_key: str | None) -> tuple[str, str]:
+    """The run's store key and store URL, fixed on the first start and reused on resume.
+    A caller that knows a stable identity (the registry's run id) passes `run_key`, so a resume
+    on another machine finds the checkpoints in a shared store."""
     path = out_dir / "run.json"
-    if resume and path.exists():
+    if resume and path.exists() and run_key is None:
         ident = json.loads(path.read_text())
         return ident["run_key"], ident["store_url"]
     store_url = config.store.url or (out_dir / "store").resolve().as_uri()
-    ident = {"run_key": f"run-{uuid.uuid4().hex[:12]}", "store_url": store_url}
+    ident = {"run_key": run_key or f"run-{uuid.uuid4().hex[:12]}", "store_url": store_url}
     write_json_atomic(path, ident)
     return ident["run_key"], ident["store_url"]
 
 
 def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback | None = None,
           resume: bool = False, progress: bool = False, plan: FaultPlan | None = None,
-          on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+          on_step: Callable[[int, int], None] | None = None,
+          run_key: str | None = None) -> dict[str, Any]:
     """Train one run and write `summary.json`, `metrics.jsonl`, `events.jsonl` into `out_dir`.
 
     With `resume=True` and a checkpoint in the run's store, training continues from it and ends
@@ -318,7 +320,7 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run_key, store_url = _run_identity(out, config, resume)
+    run_key, store_url = _run_identity(out, config, resume, run_key)
     store = open_store(store_url, endpoint_url=config.store.endpoint_url, region=config.store.region)
     sinks = JsonlCallback(out)
     sink: Callback = MultiCallback(sinks, callback) if callback is not None else sinks

@@ -1,0 +1,148 @@
+"""Command-line commands contributed by the `flows` package (registered by crucible.cli).
+
+- `crucible sweep [--preset smoke] [--arm ssn --arm mapl] [--strategy skip ...] [--p 0.1 ...]
+  [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--demo]`: runs the
+  `failure-sweep` flow on the embedded stack (ephemeral Prefect, SQLite registry, local store),
+  prints the robustness table and, as its last line, `report: PATH` (the offline dashboard).
+  Exit 2 for a bad option (the message names it), 1 when some cells failed (the report is still
+  written), 0 otherwise.
+- `crucible deploy [--pool NAME [--image IMG] [--source PATH]] [--limit N]`: creates the
+  `train-run` and `failure-sweep` deployments on the Prefect server in `PREFECT_API_URL` and
+  serves them from this process, or registers them on a work pool.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import typer
+
+__all__ = ["register", "sweep", "deploy"]
+
+_log = logging.getLogger(__name__)
+
+
+def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
+    """Build the SweepSpec (the demo grid when `demo`, options given explicitly win)."""
+    from pydantic import ValidationError
+
+    from flows.spec import DEMO_SPEC, SweepSpec
+
+    data = dict(DEMO_SPEC) if demo else {}
+    data.update({key: value for key, value in values.items() if value not in (None, [])})
+    try:
+        return SweepSpec(**data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: "
+            f"{err['msg'].removeprefix('Value error, ')}" for err in exc.errors())
+        typer.echo(f"error: {problems}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def _print_table(table: dict[str, Any], title: str) -> None:
+    """The Table-1 shape: one row per p, one column per arm/strategy, mean % (95% interval)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    view = Table(title=title)
+    view.add_column("p")
+    for column in table["columns"]:
+        view.add_column(str(column), justify="right")
+    for row in table["rows"]:
+        cells = []
+        for column in table["columns"]:
+            cell = row["cells"].get(column)
+            if cell is None:
+                cells.append("-")
+            elif cell["ci_low_pct"] is None:
+                cells.append(f"{cell['mean_pct']:+.2f}%")
+            else:
+                cells.append(f"{cell['mean_pct']:+.2f}% [{cell['ci_low_pct']:+.2f}, "
+                             f"{cell['ci_high_pct']:+.2f}]")
+        view.add_row(f"{row['p']:g}", *cells)
+    Console().print(view)
+
+
+def sweep(
+    preset: str | None = typer.Option(None, "--preset", help="smoke | small | paper-178m"),
+    arms: list[str] = typer.Option([], "--arm", help="compression arm (repeatable): none, ssn, mapl"),
+    strategies: list[str] = typer.Option([], "--strategy",
+                                         help="skip, drop, drop_extend, reroute (repeatable)"),
+    ps: list[float] = typer.Option([], "--p", help="failure probability in [0, 1] (repeatable)"),
+    seeds: list[int] = typer.Option([], "--seed", help="seed (repeatable)"),
+    duration: int | None = typer.Option(None, "--duration", help="global steps a failure lasts"),
+    global_steps: int | None = typer.Option(None, "--global-steps", help="training length"),
+    overrides: list[str] = typer.Option([], "--set", help="key.path=value for every cell"),
+    store: str | None = typer.Option(None, "--store", help="file:///path or s3://bucket/prefix"),
+    max_concurrent: int | None = typer.Option(None, "--max-concurrent",
+                                              help="most cells in flight at once"),
+    name: str | None = typer.Option(None, "--name", help="the sweep's name"),
+    demo: bool = typer.Option(False, "--demo", help="the demo grid: 2 codecs x 2 strategies x "
+                                                    "2 failure rates + baselines, smoke preset"),
+    work_dir: Path = typer.Option(Path("crucible-work"), "--work-dir",
+                                  help="registry, Prefect state, run folders and the report"),
+    out: Path | None = typer.Option(None, "--out", help="report path (default in --work-dir)"),
+    torch_threads: int = typer.Option(1, "--torch-threads", min=1,
+                                      help="torch threads per run (1 suits a shared CPU)"),
+) -> None:
+    """Run a failure sweep through Prefect on the embedded stack, then write its report."""
+    spec = _spec_from_options(demo, {
+        "preset": preset, "arms": arms, "strategies": strategies, "failure_probabilities": ps,
+        "seeds": seeds, "duration": duration, "global_steps": global_steps,
+        "overrides": overrides, "store_url": store, "max_concurrent_runs": max_concurrent,
+        "name": name})
+    from crucible.config import ConfigError
+    from flows.embedded import run_sweep_embedded
+
+    typer.echo(f"sweep {spec.name}: {len(spec.cells())} runs of preset {spec.preset} "
+               f"(work folder {work_dir})")
+    try:
+        result = run_sweep_embedded(spec, work_dir, out, torch_threads=torch_threads)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    # Prefect logs its server shutdown at exit; keep `report: PATH` the last line
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+    _print_table(result.table, f"{spec.name}: val-loss increase (%) vs p=0 [95% CI]")
+    if result.message:
+        typer.echo(f"some cells failed: {result.message}", err=True)
+    typer.echo(f"report: {result.report_path}")
+    if result.outcome is None:
+        raise typer.Exit(code=1)
+
+
+def deploy(
+    pool: str | None = typer.Option(None, "--pool", help="register on this work pool instead "
+                                                         "of serving from this process"),
+    image: str | None = typer.Option(None, "--image", help="container image (Kubernetes/"
+                                                           "Docker pools)"),
+    source: str | None = typer.Option(None, "--source", help="where workers find the code "
+                                                             "(default: this checkout)"),
+    limit: int | None = typer.Option(None, "--limit", help="most flow runs served at once"),
+) -> None:
+    """Create the train-run and failure-sweep deployments on the Prefect server
+    (PREFECT_API_URL) and serve them, or register them on a work pool (--pool)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per poll otherwise
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        typer.echo("error: PREFECT_API_URL is not set; point it at your Prefect server, e.g. "
+                   "export PREFECT_API_URL=http://127.0.0.1:4200/api (see docs/OPERATIONS.md)",
+                   err=True)
+        raise typer.Exit(code=2)
+    from flows.deploy import deploy_to_pool, serve_deployments
+
+    if pool:
+        ids = deploy_to_pool(pool, image=image, source=source)
+        typer.echo(f"deployed train-run and failure-sweep to work pool {pool}: {', '.join(ids)}")
+        return
+    serve_deployments(limit=limit)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this package's commands to the `crucible` command line."""
+    app.command("sweep")(sweep)
+    app.command("deploy")(deploy)

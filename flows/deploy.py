@@ -1,0 +1,93 @@
+"""Deployments of the two flows, so users start them from the Prefect UI.
+
+Two ways to put them on a Prefect server (`PREFECT_API_URL`):
+
+- `serve_deployments()` (`crucible deploy`): creates both deployments and serves them from this
+  process (`prefect.serve`): it polls for scheduled runs and runs each in a subprocess. One
+  command per GPU host; the `gpu:<hostname>` limit keeps each host within its devices.
+- `deploy_to_pool(pool)` (`crucible deploy --pool NAME`): registers both deployments on a work
+  pool (a process pool, or a Kubernetes pool whose base job template requests GPUs, see
+  `infra/k8s-gpu-base-job-template.json`); workers started with `prefect worker start --pool
+  NAME` on any number of machines run them. `--image` names the container image for a
+  Kubernetes/Docker pool; the code is then loaded from `--source` inside the image.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import Flow
+from prefect.deployments.runner import RunnerDeployment
+
+from flows.identity import code_version
+from flows.run_flow import train_run
+from flows.spec import DEMO_SPEC
+from flows.sweep_flow import failure_sweep
+
+__all__ = ["DEPLOYMENTS", "build_deployments", "serve_deployments", "deploy_to_pool",
+           "REPO_ROOT"]
+
+_log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TAGS = ["crucible"]
+
+# (flow, deployment name, entrypoint relative to the repository root, description)
+DEPLOYMENTS: list[tuple[Flow[Any, Any], str, str, str]] = [
+    (train_run, "train-run", "flows/run_flow.py:train_run",
+     "One training run of a preset with overrides, recorded in the Crucible registry; "
+     "retries transient errors and resumes from its last checkpoint."),
+    (failure_sweep, "failure-sweep", "flows/sweep_flow.py:failure_sweep",
+     "A failure-rate sweep: compression arms x strategies x failure probabilities x seeds, "
+     "each against its own p = 0 baseline; posts the robustness table and dashboard link."),
+]
+
+
+def _sweep_defaults() -> dict[str, Any]:
+    """The sweep form's pre-filled values: the demo grid, so "Run" works out of the box."""
+    return {"spec": dict(DEMO_SPEC)}
+
+
+def build_deployments() -> list[RunnerDeployment]:
+    """Both deployments, ready for `prefect.serve`."""
+    deployments = []
+    for flow_obj, name, _entry, description in DEPLOYMENTS:
+        parameters = _sweep_defaults() if name == "failure-sweep" else None
+        deployments.append(flow_obj.to_deployment(
+            name=name, description=description, tags=TAGS, version=code_version(),
+            parameters=parameters))
+    return deployments
+
+
+def serve_deployments(limit: int | None = None) -> None:
+    """Create both deployments on the configured Prefect server and serve them until stopped.
+
+    `limit` caps the flow runs this process runs at once (default: unlimited; GPU slots still
+    bound the training runs).
+    """
+    from prefect import serve
+
+    deployments = build_deployments()
+    _log.info("serving %s", ", ".join(f"{d.flow_name}/{d.name}" for d in deployments))
+    serve(*deployments, limit=limit)
+
+
+def deploy_to_pool(pool: str, *, image: str | None = None, source: str | None = None,
+                   job_variables: dict[str, Any] | None = None) -> list[str]:
+    """Register both deployments on work pool `pool`; returns their ids.
+
+    `source` is where a worker finds the code (default: this checkout, right for a process pool
+    on this machine; for a container pool, the path of the code inside `image`).
+    """
+    ids = []
+    for flow_obj, name, entrypoint, description in DEPLOYMENTS:
+        loaded = flow_obj.from_source(source=source or str(REPO_ROOT), entrypoint=entrypoint)
+        parameters = _sweep_defaults() if name == "failure-sweep" else None
+        deployment_id = loaded.deploy(
+            name=name, work_pool_name=pool, image=image, build=False, push=False,
+            description=description, tags=TAGS, version=code_version(), parameters=parameters,
+            job_variables=job_variables or {}, print_next_steps=False)
+        ids.append(str(deployment_id))
+        _log.info("deployed %s/%s to work pool %s", flow_obj.name, name, pool)
+    return ids

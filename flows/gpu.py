@@ -1,0 +1,135 @@
+"""GPU slots: one Prefect global concurrency limit per host, so a worker never oversubscribes its
+devices.
+
+The limit is named `gpu:<hostname>` and created on first use with as many slots as the host has
+CUDA devices (1 on a CPU-only machine: one training run at a time already saturates its cores).
+An existing limit is left as it is, so an operator can raise or lower it in the Prefect UI
+(`Concurrency` page) and the change sticks. Every training run holds one slot while it trains.
+
+The slot says how many runs may train on a host, not which device each gets: on a multi-GPU
+host `gpu_slot` also claims one device index through an exclusive file lock per device and makes
+it the thread's current CUDA device, so two runs never share a GPU while another idles.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+__all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "gpu_slot",
+           "claim_device_index"]
+
+_log = logging.getLogger(__name__)
+
+# A lease is renewed in the background while the slot is held; this only bounds how long a slot
+# of a hard-killed worker stays taken before the server frees it.
+_LEASE_S = 300.0
+
+
+def gpu_limit_name(host: str | None = None) -> str:
+    """`gpu:<host>`; the host name defaults to this machine's."""
+    return f"gpu:{host or socket.gethostname()}"
+
+
+def local_device_count() -> int:
+    """Number of CUDA devices here, at least 1 (a CPU machine runs one job at a time)."""
+    try:
+        import torch
+    except ImportError:  # flows without torch installed (e.g. a UI-only process)
+        return 1
+    return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def ensure_gpu_limit(name: str | None = None, slots: int | None = None) -> int:
+    """Create the global concurrency limit `name` (default `gpu:<hostname>`) with `slots` slots
+    (default `local_device_count()`) unless it exists; return its current number of slots.
+
+    Must be called with a reachable Prefect API (a server, the ephemeral one or the test harness).
+    """
+    name = name or gpu_limit_name()
+    wanted = slots if slots is not None else local_device_count()
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=name, limit=wanted))
+            _log.info("created global concurrency limit %s with %d slot(s)", name, wanted)
+            return wanted
+        except ObjectAlreadyExists:  # another run on this host created it first
+            return client.read_global_concurrency_limit_by_name(name).limit
+
+
+@contextmanager
+def gpu_slot(name: str | None = None, timeout_s: float | None = None) -> Iterator[str]:
+    """Hold one slot of this host's GPU limit for the duration of the block; yields the limit's name.
+
+    Waits (forever by default, else up to `timeout_s`, raising TimeoutError) for a free slot.
+    """
+    name = name or gpu_limit_name()
+    ensure_gpu_limit(name)
+    with concurrency(name, occupy=1, timeout_seconds=timeout_s, lease_duration=_LEASE_S,
+                     strict=True):
+        with claim_device_index(_cuda_count()) as index:
+            _use_device(index)
+            yield name
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@contextmanager
+def claim_device_index(count: int, lock_dir: Path | None = None) -> Iterator[int | None]:
+    """Hold an exclusive lock on one of `count` device indexes for the block; yields the index
+    (None when there is nothing to choose: fewer than 2 devices).
+
+    Takes the first free index; if all are held (an operator raised the limit above the device
+    count), waits for index 0 rather than oversubscribe silently. Locks live in `lock_dir`
+    (default: the system temp folder) and die with the process, so a crash frees them.
+    """
+    if count < 2:
+        yield None
+        return
+    folder = lock_dir or Path(tempfile.gettempdir())
+    handles = [open(folder / f"crucible-gpu-{index}.lock", "a+b") for index in range(count)]
+    chosen = None
+    try:
+        for index, handle in enumerate(handles):
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            chosen = index
+            break
+        if chosen is None:
+            fcntl.flock(handles[0], fcntl.LOCK_EX)
+            chosen = 0
+        yield chosen
+    finally:
+        for handle in handles:
+            handle.close()          # closing releases the lock
+
+
+def _use_device(index: int | None) -> None:
+    if index is None:
+        return
+    import torch
+
+    torch.cuda.set_device(index)    # per thread: `cuda` without an index now means this one
+    _log.info("training on cuda:%d", index)

@@ -1,0 +1,28 @@
+"""The flows' only door to the registry: a client and a metric/event callback built from settings.
+
+Kept in one place so the flows do not repeat how `crucible.reporting` is constructed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from crucible.events import Callback
+from flows.settings import FlowSettings
+
+__all__ = ["make_client", "make_callback"]
+
+
+def make_client(settings: FlowSettings) -> Any:
+    """A `crucible.reporting.ApiClient` for the configured API and token."""
+    from crucible.reporting import ApiClient
+
+    return ApiClient(settings.api_url, settings.api_token)
+
+
+def make_callback(settings: FlowSettings, run_id: str, *, spool_dir: Path) -> Callback:
+    """The registry callback of run `run_id`: batches to the API, spools to `spool_dir` while the
+    API is unreachable, replays the spool on reconnect."""
+    from crucible.reporting import ApiCallback
+
+    return ApiCallback(make_client(settings), run_id, spool_dir=spool_dir)

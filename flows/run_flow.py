@@ -1,0 +1,218 @@
+"""The `train-run` flow: one training run, registered with the API, reported through it, resumable.
+
+Recipe: resolve the config (preset + overrides) -> register the run (or reuse the record a sweep
+or an earlier attempt made) -> train while holding a GPU slot, with the registry client as the
+metric/event callback and checkpoints in the configured store -> mark the run completed with its
+results, or failed with the reason.
+
+Retries: the `train` task retries only transient errors (`flows.errors`), and every attempt after
+the first resumes from the last checkpoint. Because the run's folder and store are derived from
+its registry id, a re-run of the whole flow (a Prefect flow retry, or "Retry" in the UI) finds the
+same record and checkpoints and resumes too. Metrics and events are keyed deterministically, so
+the steps replayed since the checkpoint are stored once.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run as runtime_flow_run
+
+from crucible.config import Config, apply_overrides
+from crucible.events import Callback, Event, Metric
+from crucible.presets import get_preset
+from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
+from flows.gpu import gpu_slot
+from flows.identity import code_version, config_fingerprint
+from flows.registry import make_callback, make_client
+from flows.settings import FlowSettings
+
+__all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES"]
+
+_log = logging.getLogger(__name__)
+
+TRAIN_RETRIES = 3
+_RETRY_DELAYS_S = [1, 5, 20]
+_CRASH_MARKER = ".crash-injected"
+
+
+def run_store_url(base: str | None, fingerprint: str) -> str | None:
+    """Where one run's checkpoints live under a shared store: `<base>/runs/<fingerprint[:16]>`.
+
+    None (no shared store) leaves the trainer's default, a folder inside the run's own folder.
+    """
+    if not base:
+        return None
+    return f"{base.rstrip('/')}/runs/{fingerprint[:16]}"
+
+
+def resolve_config(preset: str, overrides: list[str], store_url: str | None = None,
+                   s3_endpoint_url: str | None = None) -> Config:
+    """The run's validated config: the preset, then `overrides`, then the store location
+    (which is per run, see `run_store_url`). Raises ConfigError naming the bad key."""
+    config = apply_overrides(get_preset(preset), list(overrides))
+    store = run_store_url(store_url, config_fingerprint(config))
+    if store is None:
+        return config
+    extra = [f"store.url={store}"]
+    if s3_endpoint_url and store.startswith("s3://"):
+        extra.append(f"store.endpoint_url={s3_endpoint_url}")
+    return apply_overrides(config, extra)
+
+
+class _AttemptCallback:
+    """The registry callback of one attempt: closes it once (the trainer closes it on success,
+    the task on failure) and, when `crash_after` is set, raises `SimulatedCrash` at the flush
+    after that global step, once per run folder (a marker file remembers it), so the retried
+    attempt runs through."""
+
+    def __init__(self, inner: Callback, crash_after: int | None, marker: Path) -> None:
+        self.inner, self.crash_after, self.marker = inner, crash_after, marker
+        self._last_step = -1
+        self._closed = False
+
+    def metric(self, item: Metric) -> None:
+        self._last_step = max(self._last_step, item.global_step)
+        self.inner.metric(item)
+
+    def event(self, item: Event) -> None:
+        self.inner.event(item)
+
+    def flush(self) -> None:
+        self.inner.flush()
+        if self.crash_after is None:
+            return
+        if self._last_step >= self.crash_after and not self.marker.exists():
+            self.marker.write_text(str(self._last_step))
+            raise SimulatedCrash(f"simulated worker crash after global step {self._last_step}")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.inner.close()
+            client = getattr(self.inner, "client", None)   # the ApiCallback's own HTTP client
+            if client is not None:
+                client.close()
+
+
+@task(name="register-run", retries=3, retry_delay_seconds=[1, 5, 20],
+      retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
+def register_run(config: Config, sweep_id: str | None, run_id: str | None,
+                 settings: FlowSettings) -> str:
+    """The registry id of this run: `run_id` when a sweep pre-registered it, else the record an
+    earlier attempt of this same Prefect flow run created, else a new record."""
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    with make_client(settings) as client:
+        return _register(client, config, sweep_id, run_id, flow_run_id)
+
+
+def _register(client: Any, config: Config, sweep_id: str | None, run_id: str | None,
+              flow_run_id: str | None) -> str:
+    fingerprint = config_fingerprint(config)
+    if run_id is None and flow_run_id is not None:
+        for run in client.list_runs(config_hash=fingerprint, sweep_id=sweep_id):
+            if run.get("prefect_flow_run_id") == flow_run_id:
+                run_id = str(run["id"])
+                break
+    if run_id is None:
+        created = client.create_run(config=config.to_dict(), sweep_id=sweep_id,
+                                    config_hash=fingerprint, code_version=code_version())
+        run_id = str(created["id"])
+    client.update_run(run_id, status="running", prefect_flow_run_id=flow_run_id)
+    return run_id
+
+
+@task(name="train", retries=TRAIN_RETRIES, retry_delay_seconds=_RETRY_DELAYS_S,
+      retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
+def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSettings,
+               crash_after_global_steps: int | None = None) -> dict[str, Any]:
+    """Train while holding a GPU slot; returns the trainer's summary.
+
+    Always asks the trainer to resume: it continues from the run folder's last checkpoint when
+    there is one (a retried attempt, a re-run flow) and starts afresh otherwise.
+    """
+    from crucible.train import train  # torch-heavy: only where training happens
+
+    logger = get_run_logger()
+    if settings.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    callback = _AttemptCallback(make_callback(settings, run_id, spool_dir=out_dir / "spool"),
+                                crash_after_global_steps, out_dir / _CRASH_MARKER)
+    try:
+        with gpu_slot() as slot:
+            logger.info("training run %s (%s) in %s, slot %s",
+                        run_id, config_fingerprint(config)[:12], out_dir, slot)
+            return train(config, out_dir=out_dir, callback=callback, resume=True,
+                         progress=False, run_key=f"run-{run_id}")
+    finally:
+        callback.close()
+
+
+@task(name="finish-run", retries=3, retry_delay_seconds=[1, 5, 20],
+      retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
+def finish_run(run_id: str, settings: FlowSettings, summary: dict[str, Any] | None = None,
+               reason: str | None = None) -> None:
+    """Mark the run completed with its results (`summary`) or failed with `reason`."""
+    if summary is None:
+        changes: dict[str, Any] = {"status": "failed", "status_reason": reason}
+    else:
+        changes = {"status": "completed", "initial_val_loss": summary.get("initial_val_loss"),
+                   "final_val_loss": summary.get("final_val_loss"),
+                   "tokens_budget": summary.get("tokens_budget"),
+                   "tokens_processed": summary.get("tokens_processed"),
+                   "summary": _json_safe(summary)}
+    with make_client(settings) as client:
+        client.update_run(run_id, **changes)
+
+
+def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary as the registry stores it (non-finite floats become None: JSON has none)."""
+    import json
+    import math
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return json.loads(json.dumps(clean(summary), default=str))
+
+
+@flow(name="train-run", log_prints=False, validate_parameters=True)
+def train_run(preset: str = "smoke", overrides: list[str] | None = None,
+              sweep_id: str | None = None, run_id: str | None = None,
+              store_url: str | None = None,
+              crash_after_global_steps: int | None = None) -> dict[str, Any]:
+    """Train one run of `preset` with `overrides` (`key.path=value`) and record it in the registry.
+
+    `store_url` is the shared object store (checkpoints go to `<store_url>/runs/<fingerprint>`);
+    empty uses the worker's CRUCIBLE_STORE_URL, else a folder inside the run folder.
+    `crash_after_global_steps` (testing) simulates a worker crash once, to exercise resume.
+    Returns {run_id, status, final_val_loss, reason}; raises (the flow run fails) on failure.
+    """
+    settings = FlowSettings()
+    config = resolve_config(preset, overrides or [], store_url or settings.store_url,
+                            settings.s3_endpoint_url)
+    run_id = register_run(config, sweep_id, run_id, settings)
+    out_dir = settings.work_dir.resolve() / "runs" / run_id
+    try:
+        summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps)
+    except Exception as exc:
+        reason = describe(exc)
+        kind = "transient, retries exhausted" if is_transient(exc) else "deterministic, not retried"
+        get_run_logger().error("run %s failed (%s): %s", run_id, kind, reason)
+        finish_run(run_id, settings, reason=reason)
+        raise
+    finish_run(run_id, settings, summary=summary)
+    return {"run_id": run_id, "status": "completed",
+            "final_val_loss": summary.get("final_val_loss"), "reason": None}

@@ -1,0 +1,220 @@
+"""The failure sweep's one typed parameter model, `SweepSpec`, and its grid expansion.
+
+`SweepSpec` is what a user fills in on the Prefect UI's "Run" form for the `failure-sweep`
+deployment, so every field has a description and a sensible default, and the enum-like fields
+(`preset`, `arms`, `strategies`) are `Literal`s so the form shows dropdowns. Validation errors name
+the field and the fix.
+
+Grid expansion (`expand_grid`) yields one `Cell` per run to train. The p = 0 baseline does not
+depend on the mitigation strategy (nothing fails, so nothing is mitigated), so it is one cell per
+(arm, seed), shared by every strategy of that arm; its strategy is pinned to `BASELINE_STRATEGY`
+so that its resolved config, and therefore its fingerprint, is the same however the sweep lists
+its strategies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "Cell", "expand_grid",
+           "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "DEMO_SPEC"]
+
+Arm = Literal["none", "ssn", "mapl"]
+StrategyName = Literal["skip", "drop", "drop_extend", "reroute"]
+PresetName = Literal["smoke", "small", "paper-178m"]
+
+ARMS: tuple[str, ...] = get_args(Arm)
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
+BASELINE_STRATEGY = "skip"
+
+
+def _check_choices(values: Any, allowed: tuple[str, ...], what: str) -> Any:
+    """Reject unknown names up front with a message listing the allowed ones (pydantic's own
+    Literal error is correct but does not say which list the value belongs to)."""
+    if isinstance(values, str):
+        values = [values]
+    if isinstance(values, list | tuple):
+        for value in values:
+            if isinstance(value, str) and value not in allowed:
+                raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+    return values
+
+
+def _dedupe(values: list[Any]) -> list[Any]:
+    """Drop repeats, keeping first-seen order (a repeated arm would silently double the grid)."""
+    return list(dict.fromkeys(values))
+
+
+class SweepSpec(BaseModel):
+    """A failure-rate sweep: every compression arm x strategy x failure probability x seed, plus
+    one p = 0 baseline per arm and seed."""
+
+    model_config = ConfigDict(extra="forbid", title="Failure sweep")
+
+    name: str = Field("failure-sweep", min_length=1, max_length=200,
+                      description="Name of the sweep in the registry and on the dashboard.")
+    preset: PresetName = Field(
+        "smoke", description="Named model/training configuration every cell starts from "
+                             "(smoke: seconds on a CPU; small: minutes; paper-178m: a GPU).")
+    arms: list[Arm] = Field(
+        default_factory=lambda: ["ssn", "mapl"], min_length=1,
+        description="Compression arms (pipeline.compression) to compare: none = uncompressed "
+                    "boundaries, ssn = fixed subspace, mapl = learned subspace.")
+    strategies: list[StrategyName] = Field(
+        default_factory=lambda: ["skip", "drop"], min_length=1,
+        description="Mitigation strategies (faults.strategy) applied when a stage is down.")
+    failure_probabilities: list[float] = Field(
+        default_factory=lambda: [0.05, 0.1], min_length=1,
+        description="Failure probabilities per replica per global step (faults.p), each in "
+                    "[0, 1]. The p = 0 baseline is always run once per arm and seed.")
+    duration: int = Field(6, ge=1, le=10_000,
+                          description="Global steps a failed stage stays down (faults.duration).")
+    global_steps: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Training length in global steps (train.global_steps); empty = the preset's.")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1,
+                             description="Seeds; every cell is run once per seed.")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Extra `key.path=value` settings applied to every cell, e.g. replicas=4.")
+    store_url: str | None = Field(
+        None, description="Object store for checkpoints and contributions: file:///path or "
+                          "s3://bucket/prefix. Empty = the worker's CRUCIBLE_STORE_URL, else a "
+                          "local folder beside each run.")
+    max_concurrent_runs: int = Field(
+        2, ge=1, le=1024,
+        description="Most cells in flight at once (each also waits for a GPU slot on its host).")
+    use_deployment: bool = Field(
+        False, description="Start each cell as a run of the `train-run` deployment (spreads the "
+                           "sweep over every worker of its pool) instead of inside this flow run.")
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _known_arms(cls, value: Any) -> Any:
+        return _check_choices(value, ARMS, "arm")
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _known_strategies(cls, value: Any) -> Any:
+        return _check_choices(value, STRATEGIES, "strategy")
+
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _known_preset(cls, value: Any) -> Any:
+        _check_choices(value, PRESET_NAMES, "preset")
+        return value
+
+    @field_validator("failure_probabilities")
+    @classmethod
+    def _probabilities(cls, value: list[float]) -> list[float]:
+        for p in value:
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"failure probability {p!r} is outside [0, 1]; "
+                                 "give probabilities such as 0.05 (5% per step)")
+        return sorted(set(value))
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, value: list[int]) -> list[int]:
+        bad = [s for s in value if s < 0]
+        if bad:
+            raise ValueError(f"seeds must be >= 0, got {bad}")
+        return _dedupe(value)
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} must look like key.path=value")
+        return value
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        if not value.startswith(("file://", "s3://")):
+            raise ValueError(f"store_url {value!r} must start with file:// or s3://")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _non_empty_grid(self) -> SweepSpec:
+        self.arms = _dedupe(self.arms)
+        self.strategies = _dedupe(self.strategies)
+        if not any(p > 0 for p in self.failure_probabilities):
+            raise ValueError("the grid is empty: failure_probabilities has no p > 0 "
+                             "(the p = 0 baseline is always run); add e.g. 0.05")
+        return self
+
+    def cells(self) -> list[Cell]:
+        """The grid, baselines first (see `expand_grid`)."""
+        return expand_grid(self)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a sweep: the overrides that turn the preset into this cell's config.
+
+    `strategy` is None for a p = 0 baseline (it serves every strategy of its arm).
+    """
+
+    arm: str
+    strategy: str | None
+    p: float
+    seed: int
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.p == 0.0
+
+    @property
+    def baseline(self) -> Cell:
+        """The p = 0 cell this cell is compared against (itself for a baseline)."""
+        return Cell(arm=self.arm, strategy=None, p=0.0, seed=self.seed)
+
+    @property
+    def label(self) -> str:
+        strategy = "baseline" if self.strategy is None else self.strategy
+        return f"{self.arm}/{strategy}/p={self.p:g}/seed={self.seed}"
+
+    def overrides(self, spec: SweepSpec) -> list[str]:
+        """`key.path=value` settings for this cell: the spec's extras first, the cell's last
+        (so a stray `faults.p=` in the extras cannot change which cell this is)."""
+        items = list(spec.overrides)
+        if spec.global_steps is not None:
+            items.append(f"train.global_steps={spec.global_steps}")
+        items += [
+            f"pipeline.compression={self.arm}",
+            f"faults.p={self.p!r}",
+            f"faults.strategy={self.strategy or BASELINE_STRATEGY}",
+            f"faults.duration={spec.duration}",
+            f"seed={self.seed}",
+        ]
+        return items
+
+
+def expand_grid(spec: SweepSpec) -> list[Cell]:
+    """Every cell of `spec`: one p = 0 baseline per (arm, seed), then arm x strategy x p x seed for
+    each p > 0. No cell appears twice."""
+    baselines = [Cell(arm=arm, strategy=None, p=0.0, seed=seed)
+                 for arm in spec.arms for seed in spec.seeds]
+    faulty = [Cell(arm=arm, strategy=strategy, p=p, seed=seed)
+              for arm in spec.arms for strategy in spec.strategies
+              for p in spec.failure_probabilities if p > 0 for seed in spec.seeds]
+    return baselines + faulty
+
+
+# `make demo`: 2 codecs x 2 strategies x 2 failure rates + 2 baselines x 1 seed = 10 runs.
+DEMO_SPEC: dict[str, Any] = {
+    "name": "demo",
+    "preset": "smoke",
+    "arms": ["ssn", "mapl"],
+    "strategies": ["skip", "drop"],
+    "failure_probabilities": [0.1, 0.3],
+    "seeds": [0],
+    "max_concurrent_runs": 1,
+}

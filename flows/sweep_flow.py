@@ -1,0 +1,241 @@
+"""The `failure-sweep` flow: a grid of `train-run`s compared against their p = 0 baselines.
+
+Recipe: resolve every cell's config (a bad one fails the sweep before anything is written) ->
+register the sweep (or continue the one with the same name and spec) and every cell's run ->
+run the cells, at most `max_concurrent_runs` at a time, in this flow run or as runs of the
+`train-run` deployment (each cell also waits for a GPU slot on its host) -> post the robustness
+table, a link to the dashboard and a live progress bar as Prefect artifacts.
+
+Re-running a sweep skips every cell whose run already completed with the same resolved config
+(fingerprint) and code version, and resumes the others from their checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_link_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import flow_run as runtime_flow_run
+
+from crucible.config import Config
+from flows.errors import describe, retry_only_transient
+from flows.identity import code_version, config_fingerprint
+from flows.registry import make_client
+from flows.run_flow import resolve_config, train_run
+from flows.settings import FlowSettings
+from flows.spec import Cell, SweepSpec
+
+__all__ = ["failure_sweep", "find_sweep", "TRAIN_RUN_DEPLOYMENT", "robustness_rows"]
+
+_log = logging.getLogger(__name__)
+
+TRAIN_RUN_DEPLOYMENT = "train-run/train-run"
+# the API serves the sweep dashboard here (dashboards.routes.SWEEP_PATH; flows do not import
+# the dashboards package)
+_DASHBOARD_PATH = "/dashboards/sweeps/{sweep_id}"
+
+
+@dataclass
+class _Planned:
+    """A cell with its resolved config and registry record."""
+
+    cell: Cell
+    overrides: list[str]
+    config: Config
+    fingerprint: str
+    run_id: str | None = None
+    done: bool = False
+
+
+def _plan(spec: SweepSpec, settings: FlowSettings) -> list[_Planned]:
+    """Resolve every cell's config up front; raises ConfigError before anything is registered."""
+    store = spec.store_url or settings.store_url
+    planned = []
+    for cell in spec.cells():
+        overrides = cell.overrides(spec)
+        config = resolve_config(spec.preset, overrides, store, settings.s3_endpoint_url)
+        planned.append(_Planned(cell, overrides, config, config_fingerprint(config)))
+    return planned
+
+
+def _items(result: Any) -> list[dict[str, Any]]:
+    """List responses may be a page `{"items": [...]}` or a plain list."""
+    return list(result["items"]) if isinstance(result, dict) else list(result)
+
+
+@task(name="register-sweep", retries=3, retry_delay_seconds=[1, 5, 20],
+      retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
+def register_sweep(spec: SweepSpec, planned: list[_Planned],
+                   settings: FlowSettings) -> tuple[str, dict[str, tuple[str, bool]]]:
+    """Create (or continue) the sweep record and one run record per cell that has none yet.
+
+    Returns the sweep id and, per fingerprint, (run id, already completed): a cell whose run
+    completed with the same fingerprint and code version is not run again.
+    """
+    with make_client(settings) as client:
+        return _register(client, spec, planned)
+
+
+def _register(client: Any, spec: SweepSpec,
+              planned: list[_Planned]) -> tuple[str, dict[str, tuple[str, bool]]]:
+    spec_json = spec.model_dump(mode="json")
+    sweep_id = find_sweep(client, spec.name, spec_json)
+    if sweep_id is None:
+        sweep_id = str(client.create_sweep(spec.name, spec_json)["id"])
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    client.update_sweep(sweep_id, status="running", prefect_flow_run_id=flow_run_id)
+    version = code_version()
+    known = {run["config_hash"]: run for run in _items(client.list_runs(sweep_id=sweep_id))
+             if run.get("code_version") == version}
+    records: dict[str, tuple[str, bool]] = {}
+    for item in planned:
+        run = known.get(item.fingerprint)
+        if run is None:
+            run = client.create_run(config=item.config.to_dict(), sweep_id=sweep_id,
+                                    config_hash=item.fingerprint, code_version=version)
+        records[item.fingerprint] = (str(run["id"]), run.get("status") == "completed")
+    return sweep_id, records
+
+
+def find_sweep(client: Any, name: str, spec_json: dict[str, Any]) -> str | None:
+    """The newest sweep with this exact name and spec, so a re-run continues it."""
+    found, cursor = None, None
+    while True:  # sweeps come oldest first, keyset-paginated
+        page = client.request("GET", "/api/v1/sweeps", params={"limit": 100, "cursor": cursor})
+        for sweep in page["items"]:
+            if sweep.get("name") == name and sweep.get("spec") == spec_json:
+                found = str(sweep["id"])
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            return found
+
+
+@task(name="run-cell", cache_policy=NO_CACHE)
+def run_cell(label: str, preset: str, overrides: list[str], sweep_id: str, run_id: str,
+             store_url: str | None, use_deployment: bool) -> dict[str, Any]:
+    """Run one cell to its end; returns {run_id, status, reason} and never raises for a failed
+    run (the run flow has already retried what was worth retrying and recorded the reason)."""
+    parameters = {"preset": preset, "overrides": overrides, "sweep_id": sweep_id,
+                  "run_id": run_id, "store_url": store_url}
+    if use_deployment:
+        from prefect.deployments import run_deployment
+
+        flow_run = run_deployment(TRAIN_RUN_DEPLOYMENT, parameters=parameters, timeout=None,
+                                  flow_run_name=f"{label}")
+        ok = flow_run.state is not None and flow_run.state.is_completed()
+        reason = None if ok else (flow_run.state.message if flow_run.state else "no state")
+        return {"run_id": run_id, "status": "completed" if ok else "failed", "reason": reason}
+    try:
+        return train_run.with_options(flow_run_name=label)(**parameters)
+    except Exception as exc:  # recorded in the registry by the run flow; the sweep goes on
+        get_run_logger().warning("cell %s failed: %s", label, describe(exc))
+        return {"run_id": run_id, "status": "failed", "reason": describe(exc)}
+
+
+def _run_cells(spec: SweepSpec, sweep_id: str, todo: list[_Planned], settings: FlowSettings,
+               on_done: Any) -> list[dict[str, Any]]:
+    """Submit cells keeping at most `spec.max_concurrent_runs` in flight; `on_done(result)` is
+    called as each finishes."""
+    store = spec.store_url or settings.store_url
+    queue = list(todo)
+    in_flight: list[PrefectFuture[dict[str, Any]]] = []
+    results: list[dict[str, Any]] = []
+    while queue or in_flight:
+        while queue and len(in_flight) < spec.max_concurrent_runs:
+            item = queue.pop(0)
+            in_flight.append(run_cell.with_options(task_run_name=f"cell {item.cell.label}").submit(
+                item.cell.label, spec.preset, item.overrides, sweep_id, item.run_id, store,
+                spec.use_deployment))
+        finished = next(as_completed(in_flight))
+        in_flight.remove(finished)
+        result = finished.result()
+        results.append(result)
+        on_done(result)
+    return results
+
+
+def robustness_rows(robustness: dict[str, Any]) -> list[dict[str, Any]]:
+    """The robustness summary as table rows: one per arm x strategy x p > 0 (a baseline's
+    increase against itself is 0 by definition)."""
+    rows = []
+    for item in robustness.get("items", []):
+        if item["p"] == 0:
+            continue
+        rows.append({
+            "arm": item["compression"], "strategy": item["strategy"], "p": item["p"],
+            "duration": item["duration"],
+            "loss_increase_pct": round(item["mean_pct"], 3),
+            "ci95_low_pct": None if item["ci_low_pct"] is None else round(item["ci_low_pct"], 3),
+            "ci95_high_pct": None if item["ci_high_pct"] is None else round(item["ci_high_pct"], 3),
+            "seeds": item["n_seeds"],
+        })
+    return sorted(rows, key=lambda r: (r["arm"], r["strategy"], r["p"]))
+
+
+def _artifact_key(sweep_id: str, what: str) -> str:
+    # artifact keys allow lowercase letters, digits and dashes only
+    return f"sweep-{sweep_id[:8]}-{what}".lower()
+
+
+@flow(name="failure-sweep", log_prints=False, validate_parameters=True)
+def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
+    """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
+
+    Returns {sweep_id, runs, completed, failed, skipped, rows}; the flow run fails (after posting
+    the artifacts) if any cell failed.
+    """
+    logger = get_run_logger()
+    settings = FlowSettings()
+    planned = _plan(spec, settings)
+    sweep_id, records = register_sweep(spec, planned, settings)
+    for item in planned:
+        item.run_id, item.done = records[item.fingerprint]
+    todo = [item for item in planned if not item.done]
+    skipped = len(planned) - len(todo)
+    logger.info("sweep %s: %d cells, %d already completed", sweep_id, len(planned), skipped)
+
+    progress_id = create_progress_artifact(
+        progress=100.0 * skipped / len(planned), key=_artifact_key(sweep_id, "progress"),
+        description=f"Cells of sweep {spec.name} finished ({len(planned)} in all)")
+    finished = [skipped]
+
+    def on_done(result: dict[str, Any]) -> None:
+        finished[0] += 1
+        update_progress_artifact(progress_id, 100.0 * finished[0] / len(planned))
+
+    results = _run_cells(spec, sweep_id, todo, settings, on_done)
+    failed = [r for r in results if r["status"] != "completed"]
+    rows = _publish(sweep_id, spec, settings)
+    with make_client(settings) as client:
+        client.update_sweep(sweep_id, status="failed" if failed else "completed")
+    outcome = {"sweep_id": sweep_id, "runs": len(planned), "completed": len(results) - len(failed),
+               "failed": len(failed), "skipped": skipped, "rows": rows}
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(planned)} cells of sweep {sweep_id} failed: "
+                           + "; ".join(f"{r['run_id']}: {r['reason']}" for r in failed[:5]))
+    return outcome
+
+
+def _publish(sweep_id: str, spec: SweepSpec, settings: FlowSettings) -> list[dict[str, Any]]:
+    """Post the robustness table and the dashboard link; returns the table rows."""
+    with make_client(settings) as client:
+        rows = robustness_rows(client.robustness(sweep_id))
+    create_table_artifact(
+        table=rows, key=_artifact_key(sweep_id, "robustness"),
+        description=f"Sweep {spec.name}: mean relative validation-loss increase (%) against "
+                    "each arm's own p = 0 baseline, 95% interval over seeds.")
+    create_link_artifact(
+        link=f"{settings.dashboard_base}{_DASHBOARD_PATH.format(sweep_id=sweep_id)}",
+        link_text=f"Dashboard of {spec.name}",
+        key=_artifact_key(sweep_id, "dashboard"),
+        description="Robustness dashboard served by the Crucible API.")
+    return rows

@@ -1,0 +1,3 @@
+-- One Postgres server, two databases: Prefect's and the Crucible registry's.
+CREATE DATABASE prefect;
+CREATE DATABASE crucible;

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# The full Crucible stack on one machine, no Docker needed:
+#   Postgres (a private cluster) -> Prefect server on Postgres -> Crucible API on Postgres
+#   -> `crucible deploy` serving the train-run and failure-sweep deployments.
+#
+#   infra/stack.sh start     start everything (idempotent), print the URLs
+#   infra/stack.sh status    what runs, with pids
+#   infra/stack.sh stop      stop everything this script started
+#   infra/stack.sh env       print the exports a shell needs to talk to the stack
+#
+# Settings (environment): STACK_DIR (default .crucible/stack), PG_PORT (55432), PREFECT_PORT
+# (4200), API_PORT (8000), VENV (.venv). State, logs and pids live in STACK_DIR; the API token is
+# generated once into STACK_DIR/api-token. Everything listens on 127.0.0.1 only.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STACK_DIR="${STACK_DIR:-$ROOT/.crucible/stack}"
+PG_PORT="${PG_PORT:-55432}"
+PREFECT_PORT="${PREFECT_PORT:-4200}"
+API_PORT="${API_PORT:-8000}"
+VENV="${VENV:-$ROOT/.venv}"
+BIN="$VENV/bin"
+PGDATA="$STACK_DIR/pg"
+LOGS="$STACK_DIR/logs"
+
+pg_bin() {  # a PostgreSQL server binary from PATH, /usr/lib/postgresql/*/bin or /usr/local/bin
+  local name="$1" found
+  found="$(command -v "$name" 2>/dev/null || true)"
+  [ -n "$found" ] || found="$(ls -d /usr/lib/postgresql/*/bin/"$name" 2>/dev/null | sort -V | tail -1 || true)"
+  [ -n "$found" ] || { [ -x "/usr/local/bin/$name" ] && found="/usr/local/bin/$name"; }
+  [ -n "$found" ] || { echo "error: $name not found; run 'make system-deps' (PostgreSQL server)" >&2; exit 2; }
+  echo "$found"
+}
+
+as_pg() {  # initdb and postgres refuse to run as root: use the postgres OS user then
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+running() { [ -f "$STACK_DIR/$1.pid" ] && kill -0 "$(cat "$STACK_DIR/$1.pid")" 2>/dev/null; }
+
+wait_http() {  # wait_http URL NAME: until URL answers 200, or fail after 120 s
+  local url="$1" name="$2" i
+  for i in $(seq 1 240); do
+    if curl -fsS -o /dev/null "$url" 2>/dev/null; then return 0; fi
+    sleep 0.5
+  done
+  echo "error: $name did not come up at $url; see $LOGS/$name.log" >&2
+  exit 1
+}
+
+token() {
+  [ -f "$STACK_DIR/api-token" ] || (umask 077; "$BIN/python" -c \
+    "import secrets; print('crc_' + secrets.token_urlsafe(32))" > "$STACK_DIR/api-token")
+  cat "$STACK_DIR/api-token"
+}
+
+pg_url() { echo "postgresql+$1://postgres@127.0.0.1:$PG_PORT/$2"; }
+
+env_exports() {
+  cat <<EOT
+export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api
+export CRUCIBLE_API_URL=http://127.0.0.1:$API_PORT
+export CRUCIBLE_API_TOKEN=$(token)
+export CRUCIBLE_DATABASE_URL=$(pg_url psycopg crucible)
+export CRUCIBLE_WORK_DIR=$STACK_DIR/work
+EOT
+}
+
+start_postgres() {
+  if [ ! -f "$PGDATA/PG_VERSION" ]; then
+    mkdir -p "$PGDATA"
+    [ "$(id -u)" = 0 ] && chown -R postgres "$PGDATA"
+    as_pg "$(pg_bin initdb)" -D "$PGDATA" -U postgres -A trust -E UTF8 >"$LOGS/initdb.log" 2>&1
+  fi
+  if ! as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1; then
+    [ "$(id -u)" = 0 ] && chown postgres "$LOGS" && touch "$LOGS/postgres.log" && chown postgres "$LOGS/postgres.log"
+    as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" -l "$LOGS/postgres.log" -w \
+      -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -k /tmp" start >/dev/null
+  fi
+  local db
+  for db in prefect crucible; do
+    "$BIN/python" - "$PG_PORT" "$db" <<'PY'
+import sys
+import psycopg
+port, name = sys.argv[1], sys.argv[2]
+with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres",
+                     autocommit=True) as conn:
+    if not conn.execute("select 1 from pg_database where datname = %s", (name,)).fetchone():
+        conn.execute(f'create database "{name}"')
+PY
+  done
+}
+
+start_bg() {  # start_bg NAME CMD...: run in the background, remember the pid, log to LOGS/NAME.log
+  local name="$1"; shift
+  if running "$name"; then return 0; fi
+  nohup "$@" >"$LOGS/$name.log" 2>&1 &
+  echo $! >"$STACK_DIR/$name.pid"
+}
+
+start() {
+  mkdir -p "$STACK_DIR" "$LOGS" "$STACK_DIR/work"
+  start_postgres
+  PREFECT_HOME="$STACK_DIR/prefect-home" \
+  PREFECT_SERVER_DATABASE_CONNECTION_URL="$(pg_url asyncpg prefect)" \
+  PREFECT_SERVER_ANALYTICS_ENABLED=false \
+  PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" \
+    start_bg prefect-server "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT"
+  CRUCIBLE_DATABASE_URL="$(pg_url psycopg crucible)" CRUCIBLE_API_TOKEN="$(token)" \
+    start_bg crucible-api "$BIN/crucible" api --host 127.0.0.1 --port "$API_PORT" --migrate
+  wait_http "http://127.0.0.1:$PREFECT_PORT/api/health" prefect-server
+  wait_http "http://127.0.0.1:$API_PORT/readyz" crucible-api
+  (eval "$(env_exports)"; cd "$ROOT"; PREFECT_HOME="$STACK_DIR/prefect-home" \
+    start_bg serve "$BIN/crucible" deploy)
+  echo "Prefect UI:     http://127.0.0.1:$PREFECT_PORT  (Deployments -> failure-sweep -> Run)"
+  echo "Crucible API:   http://127.0.0.1:$API_PORT/docs"
+  echo "logs:           $LOGS"
+  echo "shell set-up:   eval \"\$(infra/stack.sh env)\""
+}
+
+stop() {
+  local name
+  for name in serve crucible-api prefect-server; do
+    if running "$name"; then
+      local pid i
+      pid="$(cat "$STACK_DIR/$name.pid")"
+      kill -INT "$pid" 2>/dev/null || true        # serve and uvicorn shut down cleanly on SIGINT
+      for i in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+      kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
+      echo "stopped $name"
+    fi
+    rm -f "$STACK_DIR/$name.pid"
+  done
+  if [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1; then
+    as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" -m fast -w stop >/dev/null && echo "stopped postgres"
+  fi
+}
+
+status() {
+  local name
+  for name in prefect-server crucible-api serve; do
+    if running "$name"; then echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"
+    else echo "$name: stopped"; fi
+  done
+  if [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1
+  then echo "postgres: running (port $PG_PORT)"; else echo "postgres: stopped"; fi
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  env) mkdir -p "$STACK_DIR"; env_exports ;;
+  *) echo "usage: infra/stack.sh start|status|stop|env" >&2; exit 2 ;;
+esac

@@ -1,0 +1,88 @@
+"""The failure-sweep flow under a real (temporary) Prefect server and a real registry API."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from crucible.reporting import ApiClient
+from flows.embedded import EmbeddedRegistry, embedded_registry, flow_environment
+from flows.spec import SweepSpec
+from flows.sweep_flow import failure_sweep
+
+pytestmark = pytest.mark.integration
+
+# a tiny model so the whole grid trains in seconds; faults still need 4 stages
+TINY = ["replicas=2", "sparseloco.inner_steps=2", "train.batch_size=2", "model.seq_len=32",
+        "model.d_model=32", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRegistry]:
+    with embedded_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
+
+
+@pytest.fixture
+def env(registry: EmbeddedRegistry, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Iterator[ApiClient]:
+    monkeypatch.setenv("CRUCIBLE_TORCH_THREADS", "1")
+    with flow_environment(registry.api_url, registry.token, tmp_path / "work"):
+        with ApiClient(registry.api_url, registry.token) as client:
+            yield client
+
+
+def _spec(**changes: Any) -> SweepSpec:
+    base = dict(name="tiny", arms=["ssn", "mapl"], strategies=["skip", "drop"],
+                failure_probabilities=[0.5], seeds=[0], global_steps=2, duration=1,
+                overrides=TINY, max_concurrent_runs=2)
+    return SweepSpec(**{**base, **changes})
+
+
+def _artifacts(key: str) -> list[Any]:
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key])))
+
+
+def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None,
+                                                           env: ApiClient) -> None:
+    outcome = failure_sweep(_spec())
+    runs = env.list_runs(sweep_id=outcome["sweep_id"])
+    assert outcome["runs"] == len(runs) == 2 + 2 * 2            # baselines shared by strategies
+    assert all(run["status"] == "completed" for run in runs)
+    baselines = [run for run in runs if run["p"] == 0.0]
+    assert sorted(run["compression"] for run in baselines) == ["mapl", "ssn"]
+    cells = {(run["compression"], run["strategy"], run["p"]) for run in runs if run["p"] > 0}
+    assert cells == {(a, s, 0.5) for a in ("ssn", "mapl") for s in ("skip", "drop")}
+    for run in runs:
+        val = env.list_metrics(run["id"], name="val_loss")
+        assert [m["global_step"] for m in val][-1] == 2
+        assert val[-1]["value"] == pytest.approx(run["final_val_loss"])
+        train_loss = env.list_metrics(run["id"], name="train_loss")
+        assert len(train_loss) == len({(m["global_step"], m["replica"]) for m in train_loss}) > 0
+    faulty_events = sum(len(env.list_events(run["id"])) for run in runs if run["p"] > 0)
+    assert faulty_events > 0                                     # p = 0.5 over 2 steps x 2 replicas
+
+    rows = outcome["rows"]
+    assert {(r["arm"], r["strategy"], r["p"]) for r in rows} == cells
+    prefix = f"sweep-{outcome['sweep_id'][:8]}"
+    artifacts = _artifacts(f"{prefix}-robustness")
+    link = _artifacts(f"{prefix}-dashboard")
+    progress = _artifacts(f"{prefix}-progress")
+    assert len(artifacts) == 1 and artifacts[0].type == "table"
+    table = artifacts[0].data if isinstance(artifacts[0].data, list) else json.loads(artifacts[0].data)
+    assert sorted((r["arm"], r["strategy"], r["p"]) for r in table) == sorted(cells)
+    assert link and outcome["sweep_id"] in str(link[0].data)
+    assert progress and float(progress[0].data) == 100.0
+
+    # re-running the same sweep trains nothing again and adds no records
+    again = failure_sweep(_spec())
+    assert again["sweep_id"] == outcome["sweep_id"]
+    assert again["skipped"] == again["runs"] == 6 and again["completed"] == 0
+    assert len(env.list_runs(sweep_id=outcome["sweep_id"])) == 6
