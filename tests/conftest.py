@@ -1,7 +1,16 @@
 """Shared pytest set-up. Each real part the tests need has its own fixture plugin module."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# One torch thread per process: the suite shares two cores with the servers it starts (Postgres,
+# moto, uvicorn, Prefect, Chromium), and oversubscribed threads make training several times
+# slower. Subprocesses (the CLI tests) inherit it through the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 pytest_plugins = [
     "tests.fixtures.postgres",

@@ -1,0 +1,162 @@
+"""GPU throughput and model FLOPs utilisation of the `paper-178m` preset, against a plain loop.
+
+Prepared for one NVIDIA H200 (bf16 dense peak 989 TFLOP/s, `--peak-tflops` to change), written to
+finish in well under 8 minutes. Both sides use bf16 autocast with fp32 weights and optimiser
+state, and see the same tokens per step (R*B sequences of T tokens):
+
+- `crucible`: `crucible.train.Trainer` on `paper-178m` (R=8 replicas x S=4 stages, SparseLoCo
+  sync through a local store, no faults), `--global-steps` timed outer rounds of H inner steps
+  after one untimed warm-up round; evaluation and checkpoints are outside the timed loop;
+- `reference`: `benchmarks.reference.ReferenceModel` (one model, one `torch.optim.AdamW` with
+  `fused=True`), `--reference-steps` timed steps after `--warmup` untimed ones.
+
+MFU = tokens/s x model FLOPs per token / peak, with model FLOPs per token = 6 N + 12 L d T
+(N non-embedding parameters of one replica; the PaLM appendix-B count, causal masking ignored).
+If a micro-batch does not fit, it is halved (both sides alike) and the batch actually used is
+reported. Prints one JSON object.
+
+    python -m benchmarks.gpu_178m [--global-steps 2] [--inner-steps 30] [--reference-steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.reference import ReferenceModel
+from crucible.config import Config, apply_overrides
+from crucible.events import JsonlCallback
+from crucible.presets import get_preset
+from crucible.store import LocalStore
+from crucible.train import Trainer
+
+log = logging.getLogger("benchmarks.gpu_178m")
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def flops_per_token(config: Config) -> float:
+    """6 N + 12 L d T: matmul FLOPs of forward and backward per token, one replica."""
+    m = config.model
+    mlp_in = 2 * m.hidden if m.mlp == "swiglu" else m.hidden
+    per_layer = m.d_model * 3 * m.d_model + m.d_model * m.d_model + m.d_model * mlp_in
+    per_layer += m.hidden * m.d_model
+    n = m.layers * per_layer + m.d_model * m.vocab_size       # blocks + LM head
+    return 6.0 * n + 12.0 * m.layers * m.d_model * m.seq_len
+
+
+def _config(args: argparse.Namespace, batch_size: int) -> Config:
+    return apply_overrides(get_preset("paper-178m"), {
+        "train.device": "cuda", "train.dtype": "bf16", "train.batch_size": batch_size,
+        "train.global_steps": args.global_steps + 1, "train.eval_every": 10_000,
+        "train.checkpoint_every": 0, "sparseloco.inner_steps": args.inner_steps,
+        "pipeline.compression": args.compression})
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def crucible_tokens_per_s(config: Config, global_steps: int) -> float:
+    """Timed outer rounds of the trainer after one warm-up round (evaluation not included)."""
+    with tempfile.TemporaryDirectory(prefix="crucible-gpu-") as tmp:
+        trainer = Trainer(config, store=LocalStore(Path(tmp) / "store"), run_key="gpu",
+                          callback=JsonlCallback(Path(tmp) / "out"))
+        trainer.global_step(0)
+        _sync()
+        start = time.perf_counter()
+        for g in range(1, global_steps + 1):
+            trainer.global_step(g)
+        _sync()
+        elapsed = time.perf_counter() - start
+        tokens = (config.replicas * config.sparseloco.inner_steps * config.train.batch_size
+                  * config.model.seq_len * global_steps)
+        trainer.callback.close()
+    return tokens / elapsed
+
+
+def reference_tokens_per_s(config: Config, steps: int, warmup: int) -> float:
+    """The plain loop on the GPU: one model, fused AdamW, bf16 autocast, R*B sequences a step."""
+    m, t = config.model, config.train
+    torch.manual_seed(config.seed)
+    model = ReferenceModel(m).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                            weight_decay=t.weight_decay, fused=True)
+    n = config.replicas * t.batch_size
+    ids = torch.randint(0, m.vocab_size, (n, m.seq_len + 1), device="cuda")
+    start = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            _sync()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync()
+    return steps * n * m.seq_len / (time.perf_counter() - start)
+
+
+def _fitting(measure: Callable[[int], float], batch_size: int) -> tuple[float, int]:
+    """measure(batch) at the largest batch <= batch_size (halving) that fits in memory."""
+    while True:
+        try:
+            return measure(batch_size), batch_size
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            if batch_size == 1:
+                raise
+            log.warning("batch %d does not fit; halving", batch_size)
+            batch_size //= 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--global-steps", type=int, default=2, help="timed outer rounds")
+    parser.add_argument("--inner-steps", type=int, default=30, help="H (the preset's is 30)")
+    parser.add_argument("--batch-size", type=int, default=16, help="B per replica (preset: 16)")
+    parser.add_argument("--compression", default="none", choices=["none", "ssn", "mapl"])
+    parser.add_argument("--reference-steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.gpu_178m needs a CUDA device; none is visible")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    started = time.perf_counter()
+    ref, ref_batch = _fitting(lambda b: reference_tokens_per_s(_config(args, b),
+                                                               args.reference_steps, args.warmup),
+                              args.batch_size)
+    torch.cuda.empty_cache()
+    cru, cru_batch = _fitting(lambda b: crucible_tokens_per_s(_config(args, b), args.global_steps),
+                              ref_batch)
+    config = _config(args, cru_batch)
+    fpt = flops_per_token(config)
+    peak = args.peak_tflops * 1e12
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "compression": args.compression, "replicas": config.replicas,
+        "stages": config.pipeline.stages, "inner_steps": args.inner_steps,
+        "batch_size_crucible": cru_batch, "batch_size_reference": ref_batch,
+        "seq_len": config.model.seq_len, "flops_per_token": fpt,
+        "crucible_tokens_per_s": cru, "reference_tokens_per_s": ref, "ratio": cru / ref,
+        "crucible_mfu": cru * fpt / peak, "reference_mfu": ref * fpt / peak,
+        "peak_tflops": args.peak_tflops, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

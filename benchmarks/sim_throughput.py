@@ -1,0 +1,192 @@
+"""Simulation efficiency: tokens/s of the Crucible trainer over tokens/s of a plain PyTorch loop.
+
+For a preset (R=8 replicas x S=4 stages, as every preset has) it times `Trainer.run()` - inner
+steps, outer SparseLoCo sync through a local object store, evaluation, metrics/events written to
+jsonl with fsync, checkpoints, exactly what `crucible run` does - for each arm:
+
+- `none`, `ssn`, `mapl`: the three boundary codecs, no faults;
+- `skip_p0.2`: codec `none`, `skip` strategy at failure probability 0.2 (duration from the preset);
+
+and the plain reference (`benchmarks/reference.py`: one model, one AdamW, R*B sequences of T
+tokens per step, the same number of steps) in the same process, interleaved arm by arm and
+repeated, so machine load hits both alike. The ratio of each pair is taken, and the median of the
+pairs is reported. `ratio` is the worst arm's median ratio (the goal is >= 0.9).
+
+    python -m benchmarks.sim_throughput --preset small --json
+    python -m benchmarks.sim_throughput --preset smoke --repeats 3 --threads 1 --phases
+
+`--global-steps` shortens a run (throughput per step does not depend on the run length beyond
+the warm-up, evaluation and checkpoint cadence, which stay the preset's). `--phases` adds where a
+Crucible run's wall time goes (inner steps, outer sync, evaluation, callback flush, checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.reference import reference_tokens_per_s
+from crucible.config import Config, apply_overrides
+from crucible.events import JsonlCallback
+from crucible.presets import get_preset
+from crucible.store import LocalStore
+from crucible.train import Trainer
+
+log = logging.getLogger("benchmarks.sim_throughput")
+
+ARMS: dict[str, dict[str, object]] = {
+    "none": {"pipeline.compression": "none"},
+    "ssn": {"pipeline.compression": "ssn"},
+    "mapl": {"pipeline.compression": "mapl"},
+    "skip_p0.2": {"pipeline.compression": "none", "faults.p": 0.2, "faults.strategy": "skip"},
+}
+
+
+def arm_config(preset: str, arm: str, *, global_steps: int | None) -> Config:
+    """The preset with the arm's overrides, on the CPU in fp32."""
+    overrides: dict[str, object] = {"train.device": "cpu", "train.dtype": "fp32", **ARMS[arm]}
+    if global_steps is not None:
+        overrides["train.global_steps"] = global_steps
+    return apply_overrides(get_preset(preset), overrides)
+
+
+def _timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - start
+    return wrapper
+
+
+def _instrument(trainer: Trainer) -> dict[str, float]:
+    # wrap bound methods on the instance only: the trainer's code is unchanged
+    phases: dict[str, float] = defaultdict(float)
+    trainer._inner_steps = _timed(phases, "inner_steps", trainer._inner_steps)  # type: ignore[method-assign]
+    trainer.sync.synchronise = _timed(phases, "outer_sync", trainer.sync.synchronise)  # type: ignore[method-assign]
+    trainer.evaluate = _timed(phases, "evaluate", trainer.evaluate)  # type: ignore[method-assign]
+    trainer.callback.flush = _timed(phases, "callback_flush", trainer.callback.flush)  # type: ignore[method-assign]
+    trainer._maybe_checkpoint = _timed(phases, "checkpoint", trainer._maybe_checkpoint)  # type: ignore[method-assign]
+    return phases
+
+
+def crucible_run(config: Config, *, phases: bool = False) -> dict[str, Any]:
+    """One `Trainer.run()` in a scratch directory; tokens/s over the run's wall time (the
+    trainer's construction - data loading, initialisation - is not timed)."""
+    with tempfile.TemporaryDirectory(prefix="crucible-bench-") as tmp:
+        sink = JsonlCallback(Path(tmp) / "out")
+        trainer = Trainer(config, store=LocalStore(Path(tmp) / "store"), run_key="bench",
+                          callback=sink)
+        timings = _instrument(trainer) if phases else {}
+        start = time.perf_counter()
+        summary = trainer.run()
+        elapsed = time.perf_counter() - start
+        sink.close()
+    result: dict[str, Any] = {"tokens": summary["tokens_processed"], "wall_s": elapsed,
+                              "tokens_per_s": summary["tokens_processed"] / elapsed}
+    if phases:
+        result["phases_s"] = dict(timings)
+    return result
+
+
+def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | None,
+            phases: bool) -> dict[str, Any]:
+    """Interleave reference and Crucible runs arm by arm, `repeats` times; medians of pairs."""
+    pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    phase_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    for rep in range(repeats):
+        for arm in arms:
+            config = arm_config(preset, arm, global_steps=global_steps)
+            steps = config.train.global_steps * config.sparseloco.inner_steps
+            ref = reference_tokens_per_s(config, steps=steps)
+            run = crucible_run(config, phases=phases)
+            pairs[arm].append((run["tokens_per_s"], ref))
+            if phases:
+                phase_runs[arm].append({**run["phases_s"], "total": run["wall_s"]})
+            log.info("repeat %d arm %s: crucible %.0f tok/s, reference %.0f tok/s, ratio %.3f",
+                     rep, arm, run["tokens_per_s"], ref, run["tokens_per_s"] / ref)
+    return _summarise(preset, arms, pairs, phase_runs, global_steps)
+
+
+def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, float]]],
+               phase_runs: dict[str, list[dict[str, float]]],
+               global_steps: int | None) -> dict[str, Any]:
+    per_arm: dict[str, Any] = {}
+    for arm in arms:
+        runs = pairs[arm]
+        per_arm[arm] = {
+            "ratio": statistics.median(c / r for c, r in runs),
+            "crucible_tokens_per_s": statistics.median(c for c, _ in runs),
+            "reference_tokens_per_s": statistics.median(r for _, r in runs),
+            "ratios": [round(c / r, 4) for c, r in runs],
+        }
+        if phase_runs[arm]:
+            names = phase_runs[arm][0].keys()
+            per_arm[arm]["phases_s"] = {n: statistics.median(p[n] for p in phase_runs[arm])
+                                        for n in names}
+    worst = min(arms, key=lambda a: per_arm[a]["ratio"])
+    config = arm_config(preset, arms[0], global_steps=global_steps)
+    return {
+        "preset": preset, "worst_arm": worst, "ratio": per_arm[worst]["ratio"],
+        "crucible_tokens_per_s": per_arm[worst]["crucible_tokens_per_s"],
+        "reference_tokens_per_s": per_arm[worst]["reference_tokens_per_s"],
+        "arms": per_arm, "replicas": config.replicas, "stages": config.pipeline.stages,
+        "global_steps": config.train.global_steps, "inner_steps": config.sparseloco.inner_steps,
+        "tokens_per_inner_step": config.replicas * config.train.batch_size * config.model.seq_len,
+        "repeats": len(next(iter(pairs.values()))), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = ["| arm | crucible tokens/s | reference tokens/s | ratio (median of pairs) | pairs |",
+             "|---|---|---|---|---|"]
+    for arm, r in result["arms"].items():
+        lines.append(f"| {arm} | {r['crucible_tokens_per_s']:.0f} | {r['reference_tokens_per_s']:.0f}"
+                     f" | {r['ratio']:.3f} | {', '.join(f'{x:.3f}' for x in r['ratios'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", choices=["smoke", "small"])
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--global-steps", type=int, default=None,
+                        help="override train.global_steps (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both sides (default: torch's choice)")
+    parser.add_argument("--phases", action="store_true", help="report where Crucible's time goes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(args.preset, arms=arms, repeats=args.repeats,
+                     global_steps=args.global_steps, phases=args.phases)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_table(result))
+        print(f"ratio (worst arm, {result['worst_arm']}): {result['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
