@@ -20,8 +20,8 @@ from crucible.config import Config
 from crucible.errors import TrainingDiverged
 from crucible.gather import agree, load_agreed, upload_contribution
 from crucible.pipeline import ReplicatedPipeline
-from crucible.sparseloco import (OuterSGD, aggregate, decode_contribution, decode_dense,
-                                 encode_contribution, encode_dense)
+from crucible.sparseloco import OuterSGD, aggregate, decode_contribution, decode_dense, encode_dense
+from crucible.sparseloco.codec import encode_contributions_batched
 from crucible.store import Store
 
 __all__ = ["StageSyncResult", "OuterSync"]
@@ -79,13 +79,12 @@ class OuterSync:
     def _sync_stage(self, global_step: int, stage: int, contributes: torch.Tensor) -> StageSyncResult:
         result = StageSyncResult(stage=stage)
         dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
-        for replica in range(self.config.replicas):
-            if not bool(contributes[replica]):
-                result.missing.append(replica)
-                continue
-            started = time.perf_counter()
-            blob = self._encode(global_step, stage, replica)
-            self.codec_s["encode"] += time.perf_counter() - started
+        made = [r for r in range(self.config.replicas) if bool(contributes[r])]
+        result.missing = [r for r in range(self.config.replicas) if r not in made]
+        started = time.perf_counter()
+        blobs = self._encode(global_step, stage, made) if made else []
+        self.codec_s["encode"] += time.perf_counter() - started
+        for replica, blob in zip(made, blobs, strict=True):
             upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
             result.made.append(replica)
             result.upload_bytes += len(blob)
@@ -107,25 +106,33 @@ class OuterSync:
         self.model.set_stage(stage, self.global_weights[stage])
         return result
 
-    def _encode(self, global_step: int, stage: int, replica: int) -> bytes:
-        local = self.model.replica_weights(replica=replica, stage=stage)
-        delta = {n: (self.global_weights[stage][n] - local[n]).float().cpu() for n in local}
+    def _encode(self, global_step: int, stage: int, replicas: list[int]) -> list[bytes]:
+        """One blob per replica in `replicas` (ascending); SparseLoCo encodes them all in one
+        batched call and writes their new error buffers back."""
+        idx = torch.tensor(replicas, dtype=torch.int64)
+        weights = self.model.stage_params(stage)
+        # pseudo-gradients (R', ...): theta_global - theta_r of every contributing replica
+        delta = {n: (g - weights[n].detach()[idx.to(g.device)]).float().cpu()
+                 for n, g in self.global_weights[stage].items()}
         if self.method == "diloco":
             try:
-                return encode_dense(delta, stage=stage, replica=replica, global_step=global_step)
+                return [encode_dense({n: d[i] for n, d in delta.items()}, stage=stage,
+                                     replica=r, global_step=global_step)
+                        for i, r in enumerate(replicas)]
             except ValueError as exc:
                 raise TrainingDiverged(str(exc)) from exc
         sl = self.config.sparseloco
-        error = {n: buf[replica].cpu() for n, buf in self.errors[stage].items()}
+        errors = self.errors[stage]
+        error = {n: buf[idx.to(buf.device)].cpu() for n, buf in errors.items()}
         try:
-            blob, new_error = encode_contribution(delta, error, beta=sl.beta, stage=stage,
-                                                  replica=replica, global_step=global_step,
-                                                  chunk=sl.chunk, topk=sl.topk)
+            blobs, new_error = encode_contributions_batched(
+                delta, error, beta=sl.beta, stage=stage, replicas=replicas,
+                global_step=global_step, chunk=sl.chunk, topk=sl.topk)
         except ValueError as exc:  # a non-finite pseudo-gradient: the replica diverged
             raise TrainingDiverged(str(exc)) from exc
-        for n, buf in self.errors[stage].items():
-            buf[replica].copy_(new_error[n])
-        return blob
+        for n, buf in errors.items():
+            buf[idx.to(buf.device)] = new_error[n].to(buf.device)
+        return blobs
 
     def _decoder(self, global_step: int, stage: int):
         shapes, sl = self.shapes[stage], self.config.sparseloco

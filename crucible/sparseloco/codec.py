@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,13 +32,17 @@ from crucible.sparseloco._chunking import Geometry, flat_indices, from_chunks, g
 from crucible.sparseloco._wire import InvalidContribution
 
 __all__ = ["Contribution", "SparseValues", "InvalidContribution", "ErrorFeedbackCodec",
-           "encode_contribution", "decode_contribution", "MIN_SCALE", "MAX_SCALE"]
+           "encode_contribution", "encode_contributions_batched", "decode_contribution",
+           "MIN_SCALE", "MAX_SCALE"]
 
 MIN_SCALE = 1e-12
 MAX_SCALE = 1e4
 _QUANT = struct.Struct("<HHHff4f")
 # The bounds as the fp32 the scale travels in (fp32(1e-12) is slightly below 1e-12).
 _SCALE_RANGE = struct.unpack("<2f", struct.pack("<2f", MIN_SCALE, MAX_SCALE))
+# torch splits a reduction longer than this across threads (at::internal::GRAIN_SIZE), which
+# changes its rounding; rows this long take the per-row statistics of `_quantise` instead.
+_SERIAL_REDUCE = 32768
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,143 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], error: Mapping[str, t
         decoded = _encode_tensor(writer, name, e.reshape(geo.shape), geo)
         new_error[name] = e - decoded
     return writer.finish(), new_error
+
+
+def encode_contributions_batched(
+        delta: Mapping[str, torch.Tensor], error: Mapping[str, torch.Tensor], *, beta: float,
+        stage: int, replicas: Sequence[int], global_step: int, chunk: int = 64,
+        topk: int = 64) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+    """`encode_contribution` for several replicas of one stage at once.
+
+    `delta[name]` and `error[name]` are (R', ...) with row i belonging to `replicas[i]` (a
+    missing error name counts as zeros). Returns one blob per replica and the new error buffers
+    (R', ...); blob i and row i are exactly (bytes, torch.equal) what `encode_contribution` gives
+    for replica `replicas[i]` alone. Same-shape parameters of all replicas go through top-k and
+    quantisation as one batch, so the per-tensor overhead is paid once per shape, not per replica
+    and parameter. Raises ValueError naming the parameter and replica on a non-finite input.
+    """
+    n_rep = len(replicas)
+    e_all: dict[str, torch.Tensor] = {}
+    for name, d in delta.items():
+        d = d.detach().to(torch.float32)
+        if d.dim() == 0 or d.shape[0] != n_rep:
+            raise ValueError(f"delta {name!r} has shape {tuple(d.shape)}, expected a leading "
+                             f"replica dimension of {n_rep}")
+        prev = error.get(name)
+        e_all[name] = d.clone() if prev is None else beta * prev.detach().to(torch.float32) + d
+    _check_finite(e_all, stage=stage, replicas=replicas)
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name, e in e_all.items():
+        by_shape.setdefault(tuple(e.shape[1:]), []).append(name)
+    records: dict[str, list[bytes]] = {}
+    new_error: dict[str, torch.Tensor] = {}
+    for shape, names in by_shape.items():
+        geo = geometry(shape, chunk=chunk, topk=topk)
+        stacked = torch.stack([e_all[n] for n in names])               # (T, R', ...)
+        rows = stacked.reshape(len(names) * n_rep, geo.rows, geo.cols)  # (T*R', rows, cols)
+        decoded, tails = _encode_rows(rows, geo)
+        residual = stacked - decoded.reshape(stacked.shape)
+        for t, name in enumerate(names):
+            new_error[name] = residual[t]
+            records[name] = tails[t * n_rep:(t + 1) * n_rep]
+    blobs = []
+    for i, replica in enumerate(replicas):
+        writer = _wire.Writer()
+        writer.header(kind=_wire.KIND_SPARSE, stage=stage, replica=replica,
+                      global_step=global_step, n_params=len(delta))
+        for name in delta:
+            writer.name(name)
+            writer.shape(tuple(e_all[name].shape[1:]))
+            writer.raw(records[name][i])
+        blobs.append(writer.finish())
+    return blobs, new_error
+
+
+def _check_finite(e_all: Mapping[str, torch.Tensor], *, stage: int,
+                  replicas: Sequence[int]) -> None:
+    """Raise the error `encode_contribution` would raise first, replica by replica."""
+    if not e_all:
+        return
+    finite = torch.stack([torch.isfinite(e.reshape(e.shape[0], -1).sum(dim=1))
+                          for e in e_all.values()])                     # (n_params, R')
+    if bool(finite.all()):
+        return
+    bad_rep = int((~finite).any(dim=0).nonzero()[0])
+    bad_name = list(e_all)[int((~finite[:, bad_rep]).nonzero()[0])]
+    raise ValueError(f"parameter {bad_name!r} of stage {stage}, replica {replicas[bad_rep]} has "
+                     "a non-finite pseudo-gradient or error buffer; refusing to encode it")
+
+
+def _encode_rows(x: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, list[bytes]]:
+    """Top-k and quantise every row of `x` (G, rows, cols) as its own tensor. Returns the dense
+    decoded (G, rows, cols) and, per row, its record after name and shape."""
+    G = x.shape[0]
+    grid_r, grid_c = geo.rows // geo.block_rows, geo.cols // geo.block_cols
+    chunks = (x.reshape(G, grid_r, geo.block_rows, grid_c, geo.block_cols)
+              .permute(0, 1, 3, 2, 4).reshape(G, geo.n_chunks, geo.chunk_len))
+    local = _select_topk(chunks.reshape(G * geo.n_chunks, geo.chunk_len), geo.k)
+    local = local.reshape(G, geo.n_chunks, geo.k)
+    kept = chunks.gather(2, local).reshape(G, geo.n_values)
+    codes, table, shift, scale = _quantise_rows(kept)
+    decoded = table.gather(1, codes) + shift[:, None]                  # == _dequantise per row
+    dense = torch.zeros_like(chunks).scatter_(2, local, decoded.reshape(local.shape))
+    dense = (dense.reshape(G, grid_r, grid_c, geo.block_rows, geo.block_cols)
+             .permute(0, 1, 3, 2, 4).reshape(G, geo.rows, geo.cols))
+    indices = _pack_rows12(local.reshape(G, geo.n_values).numpy())
+    packed_codes = _pack_rows2(codes.numpy())
+    tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + ix + cd
+             for sh, sc, tb, ix, cd in zip(shift.tolist(), scale.tolist(), table.tolist(),
+                                           indices, packed_codes, strict=True)]
+    return dense, tails
+
+
+def _quantise_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+    """`_quantise` of every row of `values` (G, n): codes (G, n), table (G, 4) fp32, shift (G,)
+    fp32, scale (G,) fp64, bit for bit what `_quantise` gives row by row."""
+    G, n = values.shape
+    if n > _SERIAL_REDUCE:
+        shift = torch.stack([row.mean() for row in values])
+        std = torch.stack([row.std(correction=0) for row in values])
+    else:
+        shift = values.mean(dim=1)
+        # what torch does for one 1-D tensor: fp32 mean, then a sequential fp64 sum of squares
+        dev = values.double() - shift.double()[:, None]
+        std = ((dev * dev).cumsum(dim=1)[:, -1] / n).sqrt().to(torch.float32)
+    scale = (1.5 * std.double()).clamp(min=MIN_SCALE)                  # (G,) fp64, as Python's
+    centred = values - shift[:, None]
+    codes = torch.clamp(torch.round(centred / scale.to(torch.float32)[:, None] + 2), 0, 3)
+    codes = codes.to(torch.int64)
+    bins = (codes + 4 * torch.arange(G)[:, None]).reshape(-1)          # bin 4*row + code
+    sums = torch.bincount(bins, weights=centred.double().reshape(-1), minlength=4 * G)
+    counts = torch.bincount(bins, minlength=4 * G).reshape(G, 4)
+    centres = (torch.arange(4, dtype=torch.float64) - 2)[None, :] * scale[:, None]
+    table = torch.where(counts > 0, sums.reshape(G, 4) / counts.clamp(min=1), centres)
+    return codes, table.to(torch.float32), shift, scale
+
+
+def _pack_rows12(idx: np.ndarray) -> list[bytes]:
+    """`_wire.pack_indices12` of every row of `idx` (G, n)."""
+    v = idx.astype(np.uint16)
+    if v.shape[1] % 2:
+        v = np.concatenate([v, np.zeros((v.shape[0], 1), dtype=np.uint16)], axis=1)
+    a, b = v[:, 0::2], v[:, 1::2]
+    out = np.empty((*a.shape, 3), dtype=np.uint8)
+    out[..., 0] = a & 0xFF
+    out[..., 1] = (a >> 8) | ((b & 0xF) << 4)
+    out[..., 2] = b >> 4
+    return [row.tobytes() for row in out]
+
+
+def _pack_rows2(codes: np.ndarray) -> list[bytes]:
+    """`_wire.pack_codes2` of every row of `codes` (G, n)."""
+    c = codes.astype(np.uint8)
+    pad = (-c.shape[1]) % 4
+    if pad:
+        c = np.concatenate([c, np.zeros((c.shape[0], pad), dtype=np.uint8)], axis=1)
+    c = c.reshape(c.shape[0], -1, 4)
+    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    return [row.tobytes() for row in packed.astype(np.uint8)]
 
 
 def _check_header(kind: int, want_kind: int, stage: int, replica: int, global_step: int, *,
