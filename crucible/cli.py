@@ -77,8 +77,8 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
     """Train one run locally (no server needed) and write OUT/summary.json."""
     _setup_logging()
     from crucible.config import ConfigError, apply_overrides
-    from crucible.presets import get_preset
     from crucible.faults import FaultPlanError
+    from crucible.presets import get_preset
 
     try:
         config = apply_overrides(get_preset(preset), overrides)
@@ -97,7 +97,7 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
 
 
 def _warn_about_corpus(config) -> None:  # noqa: ANN001 - Config, imported lazily
-    from crucible.presets import parameter_count, tokens_per_global_step
+    from crucible.presets import tokens_per_global_step
 
     if config.data.path is not None:
         return

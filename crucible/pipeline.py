@@ -19,8 +19,16 @@ from torch import nn
 
 from crucible import boundary
 from crucible.config import Config
-from crucible.model import (ParamSpec, block_forward, embed_forward, head_losses, layers_of,
-                            reparametrised, rope_tables, stage_layout)
+from crucible.model import (
+    ParamSpec,
+    block_forward,
+    embed_forward,
+    head_losses,
+    layers_of,
+    reparametrised,
+    rope_tables,
+    stage_layout,
+)
 from crucible.seeding import INIT_STREAM, generator
 
 __all__ = ["ReplicatedPipeline"]

@@ -9,8 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from crucible.config import (Config, ConfigError, DataConfig, FaultConfig, ModelConfig,
-                             PipelineConfig, SparseLoCoConfig, TrainConfig)
+from crucible.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    FaultConfig,
+    ModelConfig,
+    PipelineConfig,
+    SparseLoCoConfig,
+    TrainConfig,
+)
 
 __all__ = ["PRESETS", "PresetInfo", "get_preset", "tokens_per_global_step", "parameter_count"]
 

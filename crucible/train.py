@@ -356,7 +356,13 @@ def _progress(enabled: bool):
 
     if not enabled:
         return nullcontext(_NoBar())
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("global steps"), TimeRemainingColumn())
 
