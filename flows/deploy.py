@@ -54,9 +54,11 @@ def build_deployments() -> list[RunnerDeployment]:
     deployments = []
     for flow_obj, name, _entry, description in DEPLOYMENTS:
         parameters = _sweep_defaults() if name == "failure-sweep" else None
+        # _sync: Prefect dispatches to the async variant whenever it detects an async context
+        # (e.g. a loop left running by an earlier caller); this function is synchronous.
         deployments.append(flow_obj.to_deployment(
             name=name, description=description, tags=TAGS, version=code_version(),
-            parameters=parameters))
+            parameters=parameters, _sync=True))
     return deployments
 
 
@@ -82,12 +84,13 @@ def deploy_to_pool(pool: str, *, image: str | None = None, source: str | None = 
     """
     ids = []
     for flow_obj, name, entrypoint, description in DEPLOYMENTS:
-        loaded = flow_obj.from_source(source=source or str(REPO_ROOT), entrypoint=entrypoint)
+        loaded = flow_obj.from_source(source=source or str(REPO_ROOT), entrypoint=entrypoint,
+                                      _sync=True)
         parameters = _sweep_defaults() if name == "failure-sweep" else None
         deployment_id = loaded.deploy(
             name=name, work_pool_name=pool, image=image, build=False, push=False,
             description=description, tags=TAGS, version=code_version(), parameters=parameters,
-            job_variables=job_variables or {}, print_next_steps=False)
+            job_variables=job_variables or {}, print_next_steps=False, _sync=True)
         ids.append(str(deployment_id))
         _log.info("deployed %s/%s to work pool %s", flow_obj.name, name, pool)
     return ids
