@@ -114,6 +114,13 @@ def flow_environment(api_url: str, token: str | None, work_dir: Path,
               "CRUCIBLE_WORK_DIR": str(work_dir.resolve()), "CRUCIBLE_STORE_URL": store_url}
     values = {key: value for key, value in {**values, **(extra or {})}.items()
               if value is not None}
+    with temporary_environ(values):
+        yield
+
+
+@contextmanager
+def temporary_environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block and restore the previous values after."""
     saved = {key: os.environ.get(key) for key in values}
     try:
         os.environ.update(values)
