@@ -219,10 +219,10 @@ class Trainer:
                 view = (-1,) + (1,) * (p.dim() - 1)
                 mean = (p.grad * mask.view(view)).sum(0, keepdim=True) / count
                 p.grad.copy_(mean.expand_as(p.grad))
-            self.counters.bytes_upload += int(mask.sum()) * 4 * sum(
+            sent = int(mask.sum()) * 4 * sum(
                 p.numel() // self.R for p in self.model.stage_params(s).values())
-            self.counters.bytes_dense += int(mask.sum()) * 4 * sum(
-                p.numel() // self.R for p in self.model.stage_params(s).values())
+            self.counters.bytes_upload += sent   # ddp's all-reduce is dense fp32:
+            self.counters.bytes_dense += sent    # what it sends is its own dense equivalent
 
     def _autocast(self):
         if self.device.type == "cuda" and self.config.train.dtype == "bf16":
