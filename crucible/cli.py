@@ -97,12 +97,16 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
 
 
 def _warn_about_corpus(config) -> None:  # noqa: ANN001 - Config, imported lazily
+    from crucible.corpus import CorpusMissingError, default_corpus_path
     from crucible.presets import tokens_per_global_step
 
     if config.data.path is not None:
         return
+    try:
+        corpus = default_corpus_path().stat().st_size   # byte-level: one token per byte
+    except CorpusMissingError:
+        return   # training itself reports the missing corpus with the fix
     tokens = tokens_per_global_step(config) * config.train.global_steps
-    corpus = 5_000_000
     if tokens > 20 * corpus:
         logging.getLogger("crucible").warning(
             "preset %s consumes %.1fB tokens but the default corpus has %.1fM: the data repeats "
