@@ -7,7 +7,6 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -19,7 +18,6 @@ from prefect.client.schemas.filters import (
 )
 
 from crucible.reporting import ApiClient
-from flows.embedded import EmbeddedRegistry, embedded_registry, flow_environment
 from flows.run_flow import train_run
 
 pytestmark = pytest.mark.integration
@@ -27,21 +25,6 @@ pytestmark = pytest.mark.integration
 TINY = ["replicas=2", "sparseloco.inner_steps=2", "train.batch_size=2", "model.seq_len=32",
         "model.d_model=32", "train.eval_batches=1", "faults.p=0.5", "faults.duration=1",
         "pipeline.compression=ssn"]
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRegistry]:
-    with embedded_registry(tmp_path_factory.mktemp("registry")) as running:
-        yield running
-
-
-@pytest.fixture
-def client(registry: EmbeddedRegistry, tmp_path: Path,
-           monkeypatch: pytest.MonkeyPatch) -> Iterator[ApiClient]:
-    monkeypatch.setenv("CRUCIBLE_TORCH_THREADS", "1")
-    with flow_environment(registry.api_url, registry.token, tmp_path / "work"):
-        with ApiClient(registry.api_url, registry.token) as api:
-            yield api
 
 
 @contextmanager
@@ -81,12 +64,12 @@ def _train_attempts(flow_run_id: str, timeout_s: float = 30.0) -> list[int]:
 
 
 def test_deterministic_error_is_not_retried_and_run_is_marked_failed(
-        prefect_harness: None, client: ApiClient) -> None:
+        prefect_harness: None, flow_client: ApiClient) -> None:
     state = train_run(preset="smoke", overrides=TINY + ["train.global_steps=2",
                                                         "model.init_std=1e30"],
                       return_state=True)
     assert state.is_failed()
-    runs = [r for r in client.list_runs(status="failed")
+    runs = [r for r in flow_client.list_runs(status="failed")
             if r["prefect_flow_run_id"] == str(state.state_details.flow_run_id)]
     assert len(runs) == 1
     assert runs[0]["status_reason"].startswith("TrainingDiverged: non-finite training loss")
@@ -94,17 +77,17 @@ def test_deterministic_error_is_not_retried_and_run_is_marked_failed(
 
 
 def test_bad_override_fails_before_anything_is_registered(prefect_harness: None,
-                                                          client: ApiClient) -> None:
-    before = len(client.list_runs())
+                                                          flow_client: ApiClient) -> None:
+    before = len(flow_client.list_runs())
     state = train_run(preset="smoke", overrides=["faults.p=2"], return_state=True)
     assert state.is_failed()
     assert "faults.p must be a probability in [0, 1]" in state.message
-    assert len(client.list_runs()) == before
+    assert len(flow_client.list_runs()) == before
 
 
 @pytest.mark.slow
 def test_crashed_run_resumes_from_checkpoint_to_the_same_loss(
-        prefect_harness: None, client: ApiClient) -> None:
+        prefect_harness: None, flow_client: ApiClient) -> None:
     overrides = TINY + ["train.global_steps=5", "train.checkpoint_every=2",
                         "train.eval_every=2"]
     clean = train_run(preset="smoke", overrides=overrides)
@@ -119,13 +102,13 @@ def test_crashed_run_resumes_from_checkpoint_to_the_same_loss(
 
     def records(run_id: str) -> tuple[list[tuple], list[tuple]]:
         metrics = sorted((m["name"], m["global_step"], m["replica"], m["value"])
-                         for m in client.list_metrics(run_id))
+                         for m in flow_client.list_metrics(run_id))
         events = sorted((e["id"], e["kind"], e["global_step"])
-                        for e in client.list_events(run_id))
+                        for e in flow_client.list_events(run_id))
         return metrics, events
 
     clean_metrics, clean_events = records(clean["run_id"])
     crashed_metrics, crashed_events = records(crashed["run_id"])
     assert crashed_metrics == clean_metrics                     # nothing lost, nothing twice
     assert crashed_events == clean_events and clean_events
-    assert client.get_run(crashed["run_id"])["status"] == "completed"
+    assert flow_client.get_run(crashed["run_id"])["status"] == "completed"

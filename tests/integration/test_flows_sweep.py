@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +9,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from crucible.reporting import ApiClient
-from flows.embedded import EmbeddedRegistry, embedded_registry, flow_environment
 from flows.spec import SweepSpec
 from flows.sweep_flow import failure_sweep
 
@@ -20,21 +17,6 @@ pytestmark = pytest.mark.integration
 # a tiny model so the whole grid trains in seconds; faults still need 4 stages
 TINY = ["replicas=2", "sparseloco.inner_steps=2", "train.batch_size=2", "model.seq_len=32",
         "model.d_model=32", "train.eval_batches=1"]
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRegistry]:
-    with embedded_registry(tmp_path_factory.mktemp("registry")) as running:
-        yield running
-
-
-@pytest.fixture
-def env(registry: EmbeddedRegistry, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> Iterator[ApiClient]:
-    monkeypatch.setenv("CRUCIBLE_TORCH_THREADS", "1")
-    with flow_environment(registry.api_url, registry.token, tmp_path / "work"):
-        with ApiClient(registry.api_url, registry.token) as client:
-            yield client
 
 
 def _spec(**changes: Any) -> SweepSpec:
@@ -51,9 +33,9 @@ def _artifacts(key: str) -> list[Any]:
 
 
 def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None,
-                                                           env: ApiClient) -> None:
+                                                           flow_client: ApiClient) -> None:
     outcome = failure_sweep(_spec())
-    runs = env.list_runs(sweep_id=outcome["sweep_id"])
+    runs = flow_client.list_runs(sweep_id=outcome["sweep_id"])
     assert outcome["runs"] == len(runs) == 2 + 2 * 2            # baselines shared by strategies
     assert all(run["status"] == "completed" for run in runs)
     baselines = [run for run in runs if run["p"] == 0.0]
@@ -61,12 +43,12 @@ def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None
     cells = {(run["compression"], run["strategy"], run["p"]) for run in runs if run["p"] > 0}
     assert cells == {(a, s, 0.5) for a in ("ssn", "mapl") for s in ("skip", "drop")}
     for run in runs:
-        val = env.list_metrics(run["id"], name="val_loss")
+        val = flow_client.list_metrics(run["id"], name="val_loss")
         assert [m["global_step"] for m in val][-1] == 2
         assert val[-1]["value"] == pytest.approx(run["final_val_loss"])
-        train_loss = env.list_metrics(run["id"], name="train_loss")
+        train_loss = flow_client.list_metrics(run["id"], name="train_loss")
         assert len(train_loss) == len({(m["global_step"], m["replica"]) for m in train_loss}) > 0
-    faulty_events = sum(len(env.list_events(run["id"])) for run in runs if run["p"] > 0)
+    faulty_events = sum(len(flow_client.list_events(run["id"])) for run in runs if run["p"] > 0)
     assert faulty_events > 0                                     # p = 0.5 over 2 steps x 2 replicas
 
     rows = outcome["rows"]
@@ -85,4 +67,4 @@ def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None
     again = failure_sweep(_spec())
     assert again["sweep_id"] == outcome["sweep_id"]
     assert again["skipped"] == again["runs"] == 6 and again["completed"] == 0
-    assert len(env.list_runs(sweep_id=outcome["sweep_id"])) == 6
+    assert len(flow_client.list_runs(sweep_id=outcome["sweep_id"])) == 6
