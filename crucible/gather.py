@@ -113,9 +113,10 @@ class Manifest:
 
 def upload_contribution(store: Store, run: str, global_step: int, stage: int, replica: int,
                         blob: bytes) -> str:
-    """Write one contribution blob; returns its key."""
+    """Write one contribution blob; returns its key. Not fsync'd (`durable=False`): a resumed
+    run re-encodes and re-uploads the same bytes before it reads them."""
     key = contribution_key(run, global_step, stage, replica)
-    store.put(key, blob)
+    store.put(key, blob, durable=False)
     return key
 
 

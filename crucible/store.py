@@ -10,6 +10,11 @@ empty segments, absolute paths or backslashes), so a key means the same object e
 Errors: `KeyNotFound` for a missing key, `TransientStoreError` for what a retry may cure
 (network, 5xx, throttling: the orchestration layer retries those), `StoreError` for the rest.
 `delete` of a missing key is a no-op, as in S3.
+
+`put(..., durable=False)` is for objects that are rewritten, byte for byte, whenever they are
+needed again (an outer round's contributions: a resumed run re-encodes and re-uploads them
+before it reads them). `LocalStore` then skips the fsync; the write is still atomic, and a blob
+torn by a power cut fails its CRC instead of being used. S3 is always durable.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class KeyNotFound(StoreError):
 class Store(Protocol):
     """A flat key -> bytes object store."""
 
-    def put(self, key: str, data: bytes) -> None: ...
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None: ...
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
     def get(self, key: str) -> bytes: ...
     def list(self, prefix: str = "") -> list[str]: ...
@@ -87,22 +92,26 @@ class LocalStore:
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
 
-    def _write_temp(self, path: Path, data: bytes) -> str:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+    def _write_temp(self, path: Path, data: bytes, *, durable: bool = True) -> str:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+        except FileNotFoundError:  # first object under this prefix
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+                if durable:
+                    fh.flush()
+                    os.fsync(fh.fileno())
         except BaseException:
             os.unlink(tmp)
             raise
         return tmp
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         path = self._path(key)
-        tmp = self._write_temp(path, bytes(data))
+        tmp = self._write_temp(path, bytes(data), durable=durable)
         os.replace(tmp, path)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -214,7 +223,7 @@ class S3Store:
             time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         full = self._full(validate_key(key))
         self._call(f"put {key!r}", lambda: self._client.put_object(
             Bucket=self.bucket, Key=full, Body=bytes(data)))

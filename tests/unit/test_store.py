@@ -75,6 +75,22 @@ def test_local_store_leaves_no_temp_files_and_stays_inside_root(tmp_path: Path) 
     assert not (tmp_path / "escape").exists()
 
 
+def test_durable_puts_fsync_and_transient_ones_do_not(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    store = LocalStore(tmp_path / "s")
+    store.put("run/1/stage-0/replica-0", b"contribution", durable=False)  # a new prefix too
+    assert synced == []
+    store.put("run/checkpoints/latest.json", b"pointer")
+    store.put_if_absent("run/1/stage-0/manifest.json", b"{}")
+    assert len(synced) == 2
+    assert store.get("run/1/stage-0/replica-0") == b"contribution"
+    assert sorted(os.listdir(tmp_path / "s" / "run" / "1" / "stage-0")) == [
+        "manifest.json", "replica-0"]                                       # no temp files left
+
+
 def test_local_store_list_ignores_a_temp_file_of_a_crashed_writer(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     store.put("a/b", b"1")
