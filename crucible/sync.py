@@ -109,10 +109,15 @@ class OuterSync:
     def _encode(self, global_step: int, stage: int, replicas: list[int]) -> list[bytes]:
         """One blob per replica in `replicas` (ascending); SparseLoCo encodes them all in one
         batched call and writes their new error buffers back."""
+        everyone = replicas == list(range(self.config.replicas))
         idx = torch.tensor(replicas, dtype=torch.int64)
         weights = self.model.stage_params(stage)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # the contributing replicas' rows of (R, ...)
+            return t if everyone else t[idx.to(t.device)]
+
         # pseudo-gradients (R', ...): theta_global - theta_r of every contributing replica
-        delta = {n: (g - weights[n].detach()[idx.to(g.device)]).float().cpu()
+        delta = {n: (g - rows(weights[n].detach())).float().cpu()
                  for n, g in self.global_weights[stage].items()}
         if self.method == "diloco":
             try:
@@ -123,7 +128,7 @@ class OuterSync:
                 raise TrainingDiverged(str(exc)) from exc
         sl = self.config.sparseloco
         errors = self.errors[stage]
-        error = {n: buf[idx.to(buf.device)].cpu() for n, buf in errors.items()}
+        error = {n: rows(buf).cpu() for n, buf in errors.items()}
         try:
             blobs, new_error = encode_contributions_batched(
                 delta, error, beta=sl.beta, stage=stage, replicas=replicas,
@@ -131,7 +136,10 @@ class OuterSync:
         except ValueError as exc:  # a non-finite pseudo-gradient: the replica diverged
             raise TrainingDiverged(str(exc)) from exc
         for n, buf in errors.items():
-            buf[idx.to(buf.device)] = new_error[n].to(buf.device)
+            if everyone and buf.device == new_error[n].device:
+                errors[n] = new_error[n]   # fresh tensors the encoder made: adopt, no copy
+            else:
+                buf[idx.to(buf.device)] = new_error[n].to(buf.device)
         return blobs
 
     def _decoder(self, global_step: int, stage: int):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from crucible.sparseloco import _wire
 from crucible.sparseloco._chunking import Geometry, flat_indices, from_chunks, geometry, to_chunks
@@ -74,6 +75,10 @@ class Contribution:
         return math.sqrt(sum(p.norm_sq() for p in self.params.values()))
 
 
+# torch.topk (CPU) uses a partial heap sort when k * _HEAP_RATIO <= the row length.
+_HEAP_RATIO = 64
+
+
 def _select_topk(chunks: torch.Tensor, k: int) -> torch.Tensor:
     """Chunk-local indices (n_chunks, k), ascending, of the k largest |value| per chunk; ties at
     the k-th magnitude go to the lower index, so the choice never depends on topk's internals."""
@@ -81,11 +86,19 @@ def _select_topk(chunks: torch.Tensor, k: int) -> torch.Tensor:
     if k == chunk_len:
         return torch.arange(chunk_len).expand(n_chunks, chunk_len).clone()
     mag = chunks.abs()
-    # One extra value tells whether the k-th magnitude is tied with one left out.
-    top = torch.topk(mag, k + 1, dim=1, sorted=True)
-    threshold = top.values[:, k - 1:k]
-    local = top.indices[:, :k].sort(dim=1).values
-    ambiguous = (top.values[:, k:] == threshold).reshape(-1).nonzero().reshape(-1)
+    # torch.topk takes its fast heap path when k <= row length / 64: the default 64 of 4096 is
+    # exactly that (k + 1 is not, and costs 1.6x). A chunk a little short of 64 k values (the
+    # rescaled blocks, e.g. 44 of 2752) is padded with -1s, which are never kept. Whether the
+    # k-th magnitude is tied with a value left out is then one count: more than k values reach it.
+    pad = _HEAP_RATIO * k - chunk_len
+    if 0 < pad <= chunk_len // 2:
+        top = torch.topk(F.pad(mag, (0, pad), value=-1.0), k, dim=1, sorted=False)
+    else:
+        top = torch.topk(mag, k, dim=1, sorted=False)
+    threshold = top.values.amin(dim=1, keepdim=True)
+    local = top.indices.sort(dim=1).values
+    reach = (mag >= threshold).view(torch.uint8).sum(dim=1, dtype=torch.int32)
+    ambiguous = (reach > k).nonzero().reshape(-1)
     if ambiguous.numel():  # rare in real deltas (exact zeros, repeated values)
         local[ambiguous] = _lowest_index_ties(mag[ambiguous], threshold[ambiguous], k)
     return local
@@ -176,26 +189,36 @@ def encode_contributions_batched(
     and parameter. Raises ValueError naming the parameter and replica on a non-finite input.
     """
     n_rep = len(replicas)
-    e_all: dict[str, torch.Tensor] = {}
     for name, d in delta.items():
-        d = d.detach().to(torch.float32)
         if d.dim() == 0 or d.shape[0] != n_rep:
             raise ValueError(f"delta {name!r} has shape {tuple(d.shape)}, expected a leading "
                              f"replica dimension of {n_rep}")
-        prev = error.get(name)
-        e_all[name] = d.clone() if prev is None else beta * prev.detach().to(torch.float32) + d
-    _check_finite(e_all, stage=stage, replicas=replicas)
     by_shape: dict[tuple[int, ...], list[str]] = {}
-    for name, e in e_all.items():
-        by_shape.setdefault(tuple(e.shape[1:]), []).append(name)
+    for name, d in delta.items():
+        by_shape.setdefault(tuple(d.shape[1:]), []).append(name)
+    # e = beta * error + delta, written straight into one (T, R', ...) block per shape
+    stacked: dict[tuple[int, ...], torch.Tensor] = {}
+    e_all: dict[str, torch.Tensor] = {}
+    for shape, names in by_shape.items():
+        block = torch.empty((len(names), n_rep, *shape), dtype=torch.float32)
+        for t, name in enumerate(names):
+            d, prev = delta[name].detach(), error.get(name)
+            if prev is None:
+                block[t].copy_(d)
+            else:  # the same two roundings as `beta * prev + d`
+                torch.mul(prev.detach().to(torch.float32), beta, out=block[t])
+                block[t].add_(d.to(torch.float32))
+            e_all[name] = block[t]
+        stacked[shape] = block
+    _check_finite({n: e_all[n] for n in delta}, stage=stage, replicas=replicas)
     records: dict[str, list[bytes]] = {}
     new_error: dict[str, torch.Tensor] = {}
     for shape, names in by_shape.items():
         geo = geometry(shape, chunk=chunk, topk=topk)
-        stacked = torch.stack([e_all[n] for n in names])               # (T, R', ...)
-        rows = stacked.reshape(len(names) * n_rep, geo.rows, geo.cols)  # (T*R', rows, cols)
-        decoded, tails = _encode_rows(rows, geo)
-        residual = stacked - decoded.reshape(stacked.shape)
+        block = stacked[shape]
+        rows = block.view(len(names) * n_rep, geo.rows, geo.cols)       # (T*R', rows, cols)
+        residual, tails = _encode_rows(rows, geo)
+        residual = residual.view(block.shape)
         for t, name in enumerate(names):
             new_error[name] = residual[t]
             records[name] = tails[t * n_rep:(t + 1) * n_rep]
@@ -209,7 +232,7 @@ def encode_contributions_batched(
             writer.shape(tuple(e_all[name].shape[1:]))
             writer.raw(records[name][i])
         blobs.append(writer.finish())
-    return blobs, new_error
+    return blobs, {n: new_error[n] for n in delta}
 
 
 def _check_finite(e_all: Mapping[str, torch.Tensor], *, stage: int,
@@ -228,8 +251,9 @@ def _check_finite(e_all: Mapping[str, torch.Tensor], *, stage: int,
 
 
 def _encode_rows(x: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, list[bytes]]:
-    """Top-k and quantise every row of `x` (G, rows, cols) as its own tensor. Returns the dense
-    decoded (G, rows, cols) and, per row, its record after name and shape."""
+    """Top-k and quantise every row of `x` (G, rows, cols) as its own tensor. Returns the
+    residual `x - decoded` (G, rows, cols), which is the new error feedback, and per row its
+    record after name and shape. `x` is scratch: it may be overwritten."""
     G = x.shape[0]
     grid_r, grid_c = geo.rows // geo.block_rows, geo.cols // geo.block_cols
     chunks = (x.reshape(G, grid_r, geo.block_rows, grid_c, geo.block_cols)
@@ -239,15 +263,16 @@ def _encode_rows(x: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, list[byt
     kept = chunks.gather(2, local).reshape(G, geo.n_values)
     codes, table, shift, scale = _quantise_rows(kept)
     decoded = table.gather(1, codes) + shift[:, None]                  # == _dequantise per row
-    dense = torch.zeros_like(chunks).scatter_(2, local, decoded.reshape(local.shape))
-    dense = (dense.reshape(G, grid_r, grid_c, geo.block_rows, geo.block_cols)
-             .permute(0, 1, 3, 2, 4).reshape(G, geo.rows, geo.cols))
+    # x - decoded: decoded is zero off the kept positions, where x - 0 is x bit for bit
+    chunks.scatter_(2, local, (kept - decoded).reshape(local.shape))
+    residual = (chunks.reshape(G, grid_r, grid_c, geo.block_rows, geo.block_cols)
+                .permute(0, 1, 3, 2, 4).reshape(G, geo.rows, geo.cols))
     indices = _pack_rows12(local.reshape(G, geo.n_values).numpy())
     packed_codes = _pack_rows2(codes.numpy())
     tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + ix + cd
              for sh, sc, tb, ix, cd in zip(shift.tolist(), scale.tolist(), table.tolist(),
                                            indices, packed_codes, strict=True)]
-    return dense, tails
+    return residual, tails
 
 
 def _quantise_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

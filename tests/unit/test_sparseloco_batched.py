@@ -75,3 +75,28 @@ def test_non_finite_input_names_the_first_bad_replica_and_parameter():
     with pytest.raises(ValueError, match=r"'wq' of stage 2, replica 5 has a non-finite"):
         encode_contributions_batched(delta, {}, beta=0.95, stage=2, replicas=[0, 5, 9],
                                      global_step=1)
+
+
+def _topk_by_rule(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection rule, literally: order by (-|value|, index), keep the first k, ascending."""
+    out = []
+    for row in mag.tolist():
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+        out.append(sorted(order))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(("length", "k"), [(4096, 64), (2752, 44), (64, 2), (30, 2), (130, 3),
+                                           (256, 4), (96, 2), (40, 40)])
+def test_selection_is_the_rule_on_ties_zeros_and_padded_rows(length: int, k: int) -> None:
+    # (2752, 44) and (96, 2) take the padded heap path, (4096, 64) the plain heap path,
+    # (130, 3) and (30, 2) the nth-element path, (40, 40) keeps everything
+    from crucible.sparseloco.codec import _select_topk
+    gen = torch.Generator().manual_seed(length + k)
+    rows = [torch.randn(length, generator=gen),
+            torch.zeros(length),                                       # all tied at zero
+            torch.randint(-2, 3, (length,), generator=gen).float(),    # many ties at the k-th
+            -torch.randn(length, generator=gen).abs(),                 # all negative
+            torch.cat([torch.zeros(length - 1), torch.ones(1)])]       # one winner, zeros tie
+    chunks = torch.stack(rows)
+    assert torch.equal(_select_topk(chunks, k), _topk_by_rule(chunks.abs(), k))
