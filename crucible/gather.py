@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
 _REPLICA_NAME = re.compile(r"replica-(0|[1-9][0-9]{0,8})")
 Decode = Callable[[bytes], Contribution]
+# Validates a round's blobs at once: per blob, what `Decode` returns for it or the
+# InvalidContribution it raises.
+DecodeMany = Callable[[Sequence[bytes]], Sequence[Contribution | InvalidContribution]]
 
 
 class InvalidManifest(ValueError):
@@ -154,51 +157,87 @@ def _validate(store: Store, key: str, decode: Decode, *, stage: int, replica: in
 
 
 def _build(store: Store, run: str, global_step: int, stage: int, expected: list[int],
-           decode: Decode) -> Manifest:
+           decode: Decode, decode_many: DecodeMany | None) -> Manifest:
     prefix = _stage_prefix(run, global_step, stage)
     arrived = _arrived(store, prefix)
     manifest = Manifest(run=run, global_step=global_step, stage=stage, expected=expected,
                         included=[], rejected=[], missing=[])
+    blobs: dict[int, bytes] = {}
     for replica in sorted(set(expected) | set(arrived)):
         if replica not in arrived:
             manifest.missing.append(replica)
-            continue
-        if replica not in expected:
+        elif replica not in expected:
             manifest.rejected.append(Rejection(replica, f"replica {replica} is not in the "
                                                         f"expected set {expected}"))
-            continue
-        try:
-            contribution, reason, size = _validate(store, arrived[replica], decode, stage=stage,
-                                                   replica=replica, global_step=global_step)
-        except KeyNotFound:  # deleted between list and get: it did not arrive
-            manifest.missing.append(replica)
-            continue
+        else:
+            try:
+                blobs[replica] = store.get(arrived[replica])
+            except KeyNotFound:  # deleted between list and get: it did not arrive
+                manifest.missing.append(replica)
+    for replica, (contribution, reason) in _validate_all(blobs, decode, decode_many, stage=stage,
+                                                         global_step=global_step).items():
         if contribution is None:
             manifest.rejected.append(Rejection(replica, str(reason)))
             log.warning("step %d stage %d: rejected replica %d: %s", global_step, stage,
                         replica, reason)
         else:
             manifest.included.append(replica)
-            manifest.sizes[replica] = size
+            manifest.sizes[replica] = len(blobs[replica])
             manifest.contributions[replica] = contribution
+    manifest.missing.sort()
+    manifest.rejected.sort(key=lambda r: r.replica)
     return manifest
 
 
+def _validate_all(blobs: dict[int, bytes], decode: Decode, decode_many: DecodeMany | None, *,
+                  stage: int, global_step: int,
+                  ) -> dict[int, tuple[Contribution | None, str | None]]:
+    """replica -> (contribution, None) or (None, reason) for each downloaded blob, ascending."""
+    replicas = sorted(blobs)
+    if decode_many is None:
+        out = {}
+        for r in replicas:
+            try:
+                out[r] = (_checked(decode(blobs[r]), stage=stage, replica=r,
+                                   global_step=global_step), None)
+            except InvalidContribution as exc:
+                out[r] = (None, exc.reason)
+        return out
+    results = decode_many([blobs[r] for r in replicas])
+    out = {}
+    for r, result in zip(replicas, results, strict=True):
+        try:
+            if isinstance(result, InvalidContribution):
+                raise result
+            out[r] = (_checked(result, stage=stage, replica=r, global_step=global_step), None)
+        except InvalidContribution as exc:
+            out[r] = (None, exc.reason)
+    return out
+
+
+def _checked(c: Contribution, *, stage: int, replica: int, global_step: int) -> Contribution:
+    _check_header(c, stage=stage, replica=replica, global_step=global_step)
+    return c
+
+
 def agree(store: Store, run: str, global_step: int, stage: int, *,
-          expected_replicas: int | Iterable[int], decode: Decode) -> Manifest:
+          expected_replicas: int | Iterable[int], decode: Decode,
+          decode_many: DecodeMany | None = None) -> Manifest:
     """The agreed set for (run, global step, stage), written once to the store.
 
     `expected_replicas`: a count R (replicas 0..R-1) or the replica ids expected to contribute.
     `decode(blob)` must return a validated Contribution or raise InvalidContribution. If a
     manifest already exists it is returned as is (its `contributions` cache empty). Raises
     InvalidManifest if an existing manifest is unreadable, StoreError on store failures.
+    `decode_many`, when given, validates all downloaded blobs in one call (with the verdicts
+    `decode` would give); `decode` then serves only single re-downloads.
     """
     expected = (list(range(expected_replicas)) if isinstance(expected_replicas, int)
                 else sorted(set(expected_replicas)))
     key = manifest_key(run, global_step, stage)
     if store.exists(key):
         return _adopt(store, key, None)
-    manifest = _build(store, run, global_step, stage, expected, decode)
+    manifest = _build(store, run, global_step, stage, expected, decode, decode_many)
     if store.put_if_absent(key, manifest.to_json()):
         return manifest
     return _adopt(store, key, manifest)  # another peer wrote first: its set is the agreed one

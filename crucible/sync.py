@@ -20,7 +20,14 @@ from crucible.config import Config
 from crucible.errors import TrainingDiverged
 from crucible.gather import agree, load_agreed, upload_contribution
 from crucible.pipeline import ReplicatedPipeline
-from crucible.sparseloco import OuterSGD, aggregate, decode_contribution, decode_dense, encode_dense
+from crucible.sparseloco import (
+    OuterSGD,
+    aggregate,
+    decode_contribution,
+    decode_contributions,
+    decode_dense,
+    encode_dense,
+)
 from crucible.sparseloco.codec import encode_contributions_batched
 from crucible.store import Store
 
@@ -91,7 +98,8 @@ class OuterSync:
             result.dense_bytes += dense_per
         decode = self._decoder(global_step, stage)
         manifest = agree(self.store, self.run_key, global_step, stage,
-                         expected_replicas=self.config.replicas, decode=decode)
+                         expected_replicas=self.config.replicas, decode=decode,
+                         decode_many=self._batch_decoder(global_step, stage))
         result.rejected = {r.replica: r.reason for r in manifest.rejected}
         contributions = load_agreed(self.store, manifest, decode)
         if contributions:
@@ -156,6 +164,22 @@ class OuterSync:
                 self.codec_s["decode"] += time.perf_counter() - started
 
         return decode
+
+    def _batch_decoder(self, global_step: int, stage: int):
+        """All of a round's sparse blobs in one call (None for dense: one blob at a time)."""
+        if self.method != "sparseloco":
+            return None
+        shapes, sl = self.shapes[stage], self.config.sparseloco
+
+        def decode_many(blobs):
+            started = time.perf_counter()
+            try:
+                return decode_contributions(blobs, shapes, stage=stage, global_step=global_step,
+                                            chunk=sl.chunk, topk=sl.topk)
+            finally:
+                self.codec_s["decode"] += time.perf_counter() - started
+
+        return decode_many
 
     def _retract(self, stage: int) -> None:
         weights = self.global_weights[stage]

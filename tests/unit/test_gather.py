@@ -18,7 +18,13 @@ from crucible.gather import (
     manifest_key,
     upload_contribution,
 )
-from crucible.sparseloco import Contribution, aggregate, decode_contribution, encode_contribution
+from crucible.sparseloco import (
+    Contribution,
+    aggregate,
+    decode_contribution,
+    decode_contributions,
+    encode_contribution,
+)
 from crucible.store import LocalStore
 
 SHAPES = {"w": (64, 64), "b": (64,)}
@@ -37,6 +43,10 @@ def _blob(replica: int, *, stage: int = STAGE, step: int = STEP) -> bytes:
 
 def _decode(blob: bytes) -> Contribution:
     return decode_contribution(blob, SHAPES, stage=STAGE)
+
+
+def _decode_many(blobs: list[bytes]) -> list[object]:
+    return decode_contributions(blobs, SHAPES, stage=STAGE)
 
 
 @pytest.fixture
@@ -142,3 +152,30 @@ def test_manifest_events_report_rejections_and_unexpected_absences(store: LocalS
         ("contribution_rejected", 1, STAGE, STEP), ("contribution_missing", 2, STAGE, STEP)]
     assert "empty object" in events[0].detail["reason"]
     assert events[0].id == f"contribution_rejected:{STEP}:1:{STAGE}:0"
+
+
+def test_batched_validation_agrees_with_one_by_one(tmp_path: Path) -> None:
+    """The same round, gathered once with `decode` alone and once with `decode_many`: the same
+    manifest (included, rejected with the same reasons, missing, sizes) and the same values."""
+    manifests = []
+    for name, many in (("single", None), ("batched", _decode_many)):
+        store = LocalStore(tmp_path / name)
+        for r in (0, 1, 4, 6):
+            upload_contribution(store, RUN, STEP, STAGE, r, _blob(r))
+        upload_contribution(store, RUN, STEP, STAGE, 2, _blob(2)[:-30])           # truncated
+        upload_contribution(store, RUN, STEP, STAGE, 3, _blob(3, step=STEP + 1))   # wrong step
+        upload_contribution(store, RUN, STEP, STAGE, 5, _blob(4))                  # misaddressed
+        upload_contribution(store, RUN, STEP, STAGE, 9, _blob(0))                  # unexpected
+        manifest = agree(store, RUN, STEP, STAGE, expected_replicas=8, decode=_decode,
+                         decode_many=many)
+        manifests.append(manifest)
+    single, batched = manifests
+    assert batched.to_json() == single.to_json()
+    assert batched.included == [0, 1, 4, 6]
+    assert [r.replica for r in batched.rejected] == [2, 3, 5, 9]
+    assert batched.missing == [7]
+    assert "replica 4" in {r.replica: r.reason for r in batched.rejected}[5]
+    for r in batched.included:
+        for name in SHAPES:
+            a, b = single.contributions[r].params[name], batched.contributions[r].params[name]
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
