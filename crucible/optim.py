@@ -68,8 +68,9 @@ def clip_per_replica(params: list[torch.Tensor], max_norm: float) -> torch.Tenso
     per_tensor = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
     norms = per_tensor.pow(2).sum(0).sqrt()
     coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+    if bool((coef < 1.0).any()):  # else every factor is 1: nothing to scale
+        for g in grads:
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
     return norms
 
 
