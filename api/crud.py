@@ -11,12 +11,14 @@ import base64
 import binascii
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import and_, or_, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.orm import Session
 
 from api.errors import InvalidInputError, NotFoundError
@@ -214,15 +216,60 @@ def update_run(session: Session, *, run_id: uuid.UUID, changes: dict[str, Any]) 
 
 # ---------------------------------------------------------------- metrics and events
 
-# Postgres: one INSERT ... SELECT FROM unnest(<one array per column>) per batch (a handful of
-# parameters instead of 6 x 10,000; about 4x faster than multi-row VALUES here).
+# Postgres events: one INSERT ... SELECT FROM unnest(<one array per column>) per batch (a handful
+# of parameters instead of 6 x 10,000; about 4x faster than multi-row VALUES here).
 _PG_COLUMNS = {
-    "metrics": (("name", "varchar[]"), ("global_step", "bigint[]"), ("tokens", "bigint[]"),
-                ("replica", "integer[]"), ("value", "float8[]")),
     "events": (("event_id", "varchar[]"), ("kind", "varchar[]"), ("global_step", "bigint[]"),
                ("replica", "integer[]"), ("stage", "integer[]"), ("detail", "jsonb[]")),
 }
 _KEYS = {"metrics": "id", "events": "pk"}
+
+# Postgres metrics, the high-volume path: a binary COPY of the batch into a temporary staging
+# table of this connection, then one INSERT ... SELECT ... ON CONFLICT DO NOTHING into `metrics`,
+# all in the request's transaction. The staging table is created once per connection (ON COMMIT
+# DELETE ROWS) and emptied by the move itself (DELETE ... RETURNING), so a batch never sees the
+# rows of another, even within one transaction. The move costs what a COPY straight into
+# `metrics` (which cannot skip duplicates) costs; the unnest() form it replaces was 15-30 % slower
+# (building and parsing 5 arrays of 10,000 elements). Every integer column is bigint in the
+# staging table: psycopg's binary int4 dumper wraps values beyond 32 bits silently, while the
+# int8 one raises and the move's cast to `metrics.replica` (integer) refuses what does not fit.
+_METRIC_FIELDS = ("name", "global_step", "tokens", "replica", "value")
+_PG_METRICS_STAGE = (
+    "CREATE TEMPORARY TABLE IF NOT EXISTS crucible_metrics_in (name varchar(32), "
+    "global_step bigint, tokens bigint, replica bigint, value double precision) "
+    "ON COMMIT DELETE ROWS")
+_PG_METRICS_COPY = ("COPY pg_temp.crucible_metrics_in (name, global_step, tokens, replica, "
+                    "value) FROM STDIN (FORMAT BINARY)")
+_PG_METRICS_COPY_TYPES = ("varchar", "int8", "int8", "int8", "float8")
+_PG_METRICS_MOVE = (
+    "WITH batch AS (DELETE FROM pg_temp.crucible_metrics_in RETURNING *) "
+    "INSERT INTO metrics (run_id, name, global_step, tokens, replica, value) "
+    "SELECT %(run_id)s, name, global_step, tokens, replica, value FROM batch "
+    "ON CONFLICT DO NOTHING")
+
+
+def _metric_rows(items: Sequence[Mapping[str, Any]]) -> Iterator[tuple[Any, ...]]:
+    """(name, global_step, tokens, replica, value) of each item; tokens and replica optional."""
+    for i in items:
+        yield i["name"], i["global_step"], i.get("tokens"), i.get("replica"), i["value"]
+
+
+def _pg_copy_metrics(session: Session, run_id: uuid.UUID,
+                     items: Sequence[Mapping[str, Any]]) -> int:
+    connection = session.connection()
+    connection.exec_driver_sql(_PG_METRICS_STAGE)
+    driver = connection.connection.driver_connection   # psycopg: COPY is not in the DB-API
+    try:
+        with driver.cursor() as cursor, cursor.copy(_PG_METRICS_COPY) as copy:
+            copy.set_types(_PG_METRICS_COPY_TYPES)
+            for row in _metric_rows(items):
+                copy.write_row(row)
+    except psycopg.Error as exc:   # wrapped as SQLAlchemy wraps its own (DataError -> 422, ...)
+        raise DBAPIError.instance(_PG_METRICS_COPY, None, exc, psycopg.Error,
+                                  dialect=connection.dialect) from exc
+    except (OverflowError, TypeError, ValueError) as exc:   # a value the dumpers refuse
+        raise DataError(_PG_METRICS_COPY, None, exc) from exc
+    return connection.exec_driver_sql(_PG_METRICS_MOVE, {"run_id": run_id}).rowcount
 
 
 def _pg_bulk_insert(session: Session, table: str, run_id: uuid.UUID,
@@ -239,39 +286,55 @@ def _pg_bulk_insert(session: Session, table: str, run_id: uuid.UUID,
     return len(session.execute(sql, {"run_id": str(run_id), **params}).all())
 
 
-def _bulk_insert_ignoring_duplicates(session: Session, table: Any, run_id: uuid.UUID,
-                                     rows: list[dict[str, Any]]) -> int:
-    """Store `rows` of `table` for `run_id` in one bulk statement, skipping rows whose unique key
-    exists (ON CONFLICT DO NOTHING); commit; return how many rows were actually stored."""
-    if not rows:
+def _sqlite_insert(session: Session, table: Any, run_id: uuid.UUID,
+                   rows: list[dict[str, Any]]) -> int:
+    key = table.c[_KEYS[table.name]]
+    stmt = sqlite_insert(table).on_conflict_do_nothing().returning(key)
+    return len(session.execute(stmt, [{"run_id": run_id, **r} for r in rows]).all())
+
+
+def _is_postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def _require_run(session: Session, run_id: uuid.UUID) -> None:
+    """Raise NotFoundError unless the run exists (reads its id only)."""
+    if session.scalar(select(Run.id).where(Run.id == run_id)) is None:
+        raise NotFoundError(f"run {run_id} does not exist", field="run_id")
+
+
+def insert_metrics(session: Session, *, run_id: uuid.UUID,
+                   items: Sequence[Mapping[str, Any]]) -> int:
+    """Store metric items {name, global_step, tokens?, replica?, value} of a run, skipping those
+    already stored (key: run, name, global_step, replica; of duplicates within `items` the first
+    is kept); commit. Returns how many were new."""
+    _require_run(session, run_id)
+    if not items:
         return 0
-    if session.get_bind().dialect.name == "postgresql":
-        inserted = _pg_bulk_insert(session, table.name, run_id, rows)
+    if _is_postgres(session):
+        inserted = _pg_copy_metrics(session, run_id, items)
     else:
-        key = table.c[_KEYS[table.name]]
-        stmt = sqlite_insert(table).on_conflict_do_nothing().returning(key)
-        inserted = len(session.execute(stmt, [{"run_id": run_id, **r} for r in rows]).all())
+        rows = [dict(zip(_METRIC_FIELDS, row, strict=True)) for row in _metric_rows(items)]
+        inserted = _sqlite_insert(session, Metric.__table__, run_id, rows)
     session.commit()
     return inserted
 
 
-def insert_metrics(session: Session, *, run_id: uuid.UUID, items: Sequence[dict[str, Any]]) -> int:
-    """Store metric items {name, global_step, tokens?, replica?, value} of a run, skipping those
-    already stored (key: run, name, global_step, replica). Returns how many were new."""
-    get_run(session, run_id=run_id)
-    rows = [{"name": i["name"], "global_step": i["global_step"], "tokens": i.get("tokens"),
-             "replica": i.get("replica"), "value": i["value"]} for i in items]
-    return _bulk_insert_ignoring_duplicates(session, Metric.__table__, run_id, rows)
-
-
 def insert_events(session: Session, *, run_id: uuid.UUID, items: Sequence[dict[str, Any]]) -> int:
     """Store event items {id, kind, global_step, replica?, stage?, detail?} of a run, skipping
-    ids already stored. Returns how many were new."""
-    get_run(session, run_id=run_id)
+    ids already stored; commit. Returns how many were new."""
+    _require_run(session, run_id)
     rows = [{"event_id": i["id"], "kind": i["kind"], "global_step": i["global_step"],
              "replica": i.get("replica"), "stage": i.get("stage"), "detail": i.get("detail")}
             for i in items]
-    return _bulk_insert_ignoring_duplicates(session, Event.__table__, run_id, rows)
+    if not rows:
+        return 0
+    if _is_postgres(session):
+        inserted = _pg_bulk_insert(session, "events", run_id, rows)
+    else:
+        inserted = _sqlite_insert(session, Event.__table__, run_id, rows)
+    session.commit()
+    return inserted
 
 
 def list_metrics(session: Session, *, run_id: uuid.UUID, name: str | None = None,
@@ -301,15 +364,24 @@ def list_events(session: Session, *, run_id: uuid.UUID, kind: str | None = None,
 
 # ---------------------------------------------------------------- analysis
 
+# The analysis reads these columns only: a Core select of them skips building ORM objects and
+# decoding the runs' JSON config and summary (3x faster for a 1,000-run sweep, far less garbage).
+_ANALYSIS_COLUMNS = (Run.id, Run.compression, Run.strategy, Run.p, Run.duration, Run.seed,
+                     Run.status, Run.final_val_loss, Run.initial_val_loss)
+_ANALYSIS_KEYS = tuple(column.key for column in _ANALYSIS_COLUMNS)
+
+
 def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, Any]]:
     """The analysis view of a sweep's runs (creation order): id, compression, strategy, p,
     duration, seed, status, final_val_loss, initial_val_loss. Raises NotFoundError."""
-    get_sweep(session, sweep_id=sweep_id)
-    query = select(Run).where(Run.sweep_id == sweep_id).order_by(Run.created_at, Run.id)
-    return [{"id": str(r.id), "compression": r.compression, "strategy": r.strategy, "p": r.p,
-             "duration": r.duration, "seed": r.seed, "status": r.status,
-             "final_val_loss": r.final_val_loss, "initial_val_loss": r.initial_val_loss}
-            for r in session.scalars(query)]
+    if session.scalar(select(Sweep.id).where(Sweep.id == sweep_id)) is None:
+        raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
+    query = (select(*_ANALYSIS_COLUMNS).where(Run.sweep_id == sweep_id)
+             .order_by(Run.created_at, Run.id))
+    rows = [dict(zip(_ANALYSIS_KEYS, row, strict=True)) for row in session.execute(query)]
+    for row in rows:
+        row["id"] = str(row["id"])
+    return rows
 
 
 def sweep_robustness(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:

@@ -12,9 +12,10 @@ import json
 import math
 import uuid
 from datetime import datetime
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, NotRequired, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict  # pydantic refuses typing.TypedDict before 3.12
 
 from crucible.events import EVENT_KINDS, METRIC_NAMES
 
@@ -165,13 +166,20 @@ class RunPublic(BaseModel):
     updated_at: datetime
 
 
-class MetricIn(BaseModel):
-    model_config = _IN
+# A TypedDict, not a model: a batch holds up to 10,000 metric points, and plain dicts of numbers
+# and strings validate 3x faster than model instances and are not tracked by Python's cyclic
+# garbage collector, whose full collections cost the server ~60 ms on every other 10,000-item
+# request when each item was a model. Same JSON schema, defaults and 422 messages as the model it
+# replaced (only an item that is not an object now reads "Input should be a valid dictionary");
+# no docstring, it would become the schema's description. Validated items are dicts with all
+# five keys (tokens and replica default to None).
+class MetricIn(TypedDict):
+    __pydantic_config__ = _IN  # type: ignore[misc]
     name: MetricName
     global_step: Step
-    tokens: Count | None = None
-    replica: Index | None = None
-    value: float = Field(allow_inf_nan=False)
+    tokens: NotRequired[Annotated[Count | None, Field(default=None)]]
+    replica: NotRequired[Annotated[Index | None, Field(default=None)]]
+    value: Annotated[float, Field(allow_inf_nan=False)]
 
 
 class MetricPublic(BaseModel):

@@ -342,9 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request otherwise
     args.mlflow = args.mlflow and _mlflow_available()
+    load_at_start = os.getloadavg()[0]
     result = _with_servers(args, lambda url, base, mb: _run(args, url, base, mb))
     print(json.dumps({"batch_size": args.batch_size, "batches": args.batches, **result,
-                      "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, indent=2))
+                      "cpu_count": os.cpu_count(), "load_avg_1m_start": load_at_start,
+                      "load_avg_1m": os.getloadavg()[0]}, indent=2))
 
 
 if __name__ == "__main__":

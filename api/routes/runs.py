@@ -80,9 +80,8 @@ def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPu
              responses=_TOO_LARGE)
 def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) -> BatchResult:
     """Store up to 10,000 metric items idempotently (key: name, global_step, replica)."""
-    items = [item.model_dump() for item in body.items]
-    inserted = crud.insert_metrics(session, run_id=run_id, items=items)
-    return BatchResult(received=len(items), inserted=inserted)
+    inserted = crud.insert_metrics(session, run_id=run_id, items=body.items)
+    return BatchResult(received=len(body.items), inserted=inserted)
 
 
 @router.post("/{run_id}/events:batch", response_model=BatchResult, dependencies=[WriteAuthDep],

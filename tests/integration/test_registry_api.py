@@ -191,3 +191,48 @@ def test_embedded_sqlite_default_serves_the_same_api(tmp_path):
             client.post(f"{V1}/runs/{run['id']}/events:batch", json={"items": events})
         stored = client.get(f"{V1}/runs/{run['id']}/events").json()["items"]
         assert stored == events
+
+
+def _orm_sweep_run_rows(session, sweep_id):
+    """The implementation sweep_run_rows had before it selected columns: full ORM rows."""
+    from sqlalchemy import select
+
+    from db.models import Run
+
+    query = select(Run).where(Run.sweep_id == sweep_id).order_by(Run.created_at, Run.id)
+    return [{"id": str(r.id), "compression": r.compression, "strategy": r.strategy, "p": r.p,
+             "duration": r.duration, "seed": r.seed, "status": r.status,
+             "final_val_loss": r.final_val_loss, "initial_val_loss": r.initial_val_loss}
+            for r in session.scalars(query)]
+
+
+def test_robustness_and_table_match_the_orm_implementation(registry, registry_app):
+    from api import crud
+    from api.schemas import RobustnessPublic, TablePublic
+    from crucible import analysis
+
+    sid = _sweep(registry)["id"]
+    other = _sweep(registry, "other")["id"]
+    for k, (compression, strategy, p, seed, duration) in enumerate(
+            (c, s, p, seed, d) for c in ("none", "ssn") for s in ("skip", "drop")
+            for p in (0.0, 0.1, 0.3) for seed in range(3) for d in (4, 6)):
+        status = {0: "failed", 4: "running"}.get(k % 9, "completed")
+        loss = None if k % 11 == 5 else 2.0 + 0.05 * seed + p * (1 + k % 4) + 0.001 * duration
+        _run(registry, sid, loss=loss, status=status, compression=compression,
+             strategy=strategy, p=p, seed=seed, duration=duration)
+    _run(registry, sid, loss=2.9, p=0.1, seed=1, duration=6)        # a rerun replaces seed 1
+    _run(registry, sid, loss=3.5, p=0.3, seed=7, compression="none")  # no baseline for seed 7
+    _run(registry, other, loss=9.0, p=0.1, seed=0)                    # another sweep
+    _run(registry, None, loss=9.0, p=0.0, seed=0)                     # no sweep
+
+    with registry_app.state.session_factory() as session:
+        before = _orm_sweep_run_rows(session, uuid.UUID(sid))
+        assert crud.sweep_run_rows(session, sweep_id=uuid.UUID(sid)) == before
+    assert len(before) == 74 and {r["status"] for r in before} >= {"failed", "running"}
+    expected = {"sweep_id": sid, **analysis.robustness(before)}
+    assert expected["items"] and expected["missing_baselines"] and expected["failed_runs"]
+    got = registry.get(f"{V1}/sweeps/{sid}/robustness").json()
+    assert got == RobustnessPublic.model_validate(expected).model_dump(mode="json")
+    table = {"sweep_id": sid, **analysis.robustness_table(expected["items"])}
+    got = registry.get(f"{V1}/sweeps/{sid}/table").json()
+    assert got == TablePublic.model_validate(table).model_dump(mode="json")

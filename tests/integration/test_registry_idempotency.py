@@ -87,3 +87,53 @@ def test_same_keys_in_two_runs_are_distinct(registry, pg_db):
     assert registry.post(f"{V1}/runs/{a}/metrics:batch", json=batch).json()["inserted"] == 30
     assert registry.post(f"{V1}/runs/{b}/metrics:batch", json=batch).json()["inserted"] == 30
     assert _count(pg_db, MetricRow.run_id, uuid.UUID(b)) == 30
+
+
+def _stored(url, run_id):
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(MetricRow.name, MetricRow.global_step, MetricRow.replica,
+                                       MetricRow.tokens, MetricRow.value)
+                                .where(MetricRow.run_id == run_id)).all()
+    finally:
+        engine.dispose()
+    return {(n, s, r): (t, v) for n, s, r, t, v in rows}
+
+
+def test_large_batch_with_duplicates_keeps_the_first_and_a_resend_inserts_nothing(registry, pg_db):
+    """The Postgres COPY-and-move path: 1,000 keys sent twice in one 6,000-item batch (the second
+    copy with another value), null replicas among them, then the whole batch again."""
+    run_id = _run_id(registry)
+    first = [{"name": "train_loss", "global_step": s, "replica": s % 3 or None, "tokens": s,
+              "value": float(s)} for s in range(5000)]
+    again = [{**item, "value": -1.0, "tokens": None} for item in first[:1000]]
+    batch = {"items": first[:2500] + again + first[2500:]}
+    result = registry.post(f"{V1}/runs/{run_id}/metrics:batch", json=batch).json()
+    assert result == {"received": 6000, "inserted": 5000}
+    stored = _stored(pg_db, uuid.UUID(run_id))
+    assert stored == {(i["name"], i["global_step"], i["replica"]): (i["tokens"], i["value"])
+                      for i in first}
+    resent = registry.post(f"{V1}/runs/{run_id}/metrics:batch", json=batch).json()
+    assert resent == {"received": 6000, "inserted": 0}
+    assert _count(pg_db, MetricRow.run_id, uuid.UUID(run_id)) == 5000
+
+
+def test_two_batches_in_one_transaction_land_in_their_own_runs(registry, pg_db):
+    """The staging table is per connection: the move empties it, so a second batch in the same
+    transaction (and the same pooled connection afterwards) never re-inserts the first."""
+    from api import crud
+    from db.session import make_engine, make_session_factory
+
+    a, b = _run_id(registry), _run_id(registry)
+    engine = make_engine(pg_db, pool_size=1, max_overflow=0)
+    try:
+        with make_session_factory(engine)() as session:
+            assert crud._pg_copy_metrics(session, uuid.UUID(a), _metrics(range(10))) == 30
+            assert crud._pg_copy_metrics(session, uuid.UUID(b), _metrics(range(5))) == 15
+            session.commit()
+            assert crud.insert_metrics(session, run_id=uuid.UUID(b), items=_metrics(range(7))) == 6
+    finally:
+        engine.dispose()
+    assert _count(pg_db, MetricRow.run_id, uuid.UUID(a)) == 30
+    assert _count(pg_db, MetricRow.run_id, uuid.UUID(b)) == 21

@@ -159,3 +159,42 @@ def test_bad_run_and_sweep_bodies_get_422_naming_the_field(registry):
                                     headers={"content-type": "application/json"})
         assert response.status_code == 422, (path, response.text)
         assert field in response.json()["detail"], response.json()
+
+
+def test_bad_items_deep_in_a_full_batch_get_422_naming_their_index(registry, pg_db):
+    run_id = _run_id(registry)
+    items = [{"name": "train_loss", "global_step": i, "replica": 0, "value": 1.0}
+             for i in range(10_000)]
+    items[7321] = {"name": "train_loss", "global_step": 7321, "replica": 0}
+    items[9999] = {**items[9999], "colour": "red"}
+    items[42] = 5
+    response = registry.post(f"{V1}/runs/{run_id}/metrics:batch", json={"items": items})
+    assert response.status_code == 422, response.text
+    fields = [e["field"] for e in response.json()["errors"]]
+    assert fields == ["body.items.42", "body.items.7321.value", "body.items.9999.colour"]
+    assert "body.items.7321.value: Field required" in response.json()["detail"]
+    assert _metric_rows(pg_db) == 0
+
+
+@pytest.mark.parametrize("item", [
+    {"name": "val_loss", "global_step": 1, "replica": 2**40, "value": 1.0},   # beyond integer
+    {"name": "val_loss", "global_step": 2**64, "value": 1.0},                 # beyond bigint
+    {"name": "x" * 40, "global_step": 1, "value": 1.0},                       # beyond varchar(32)
+    {"name": "val_loss", "global_step": "1", "value": 1.0},                   # not a number
+])
+def test_values_the_api_would_refuse_are_refused_by_crud_too(registry, pg_db, item):
+    """Callers of crud.insert_metrics that skip the API's validation get a DataError (a 422
+    through the API), never a silently truncated value (the binary COPY must not wrap ints)."""
+    from sqlalchemy.exc import DataError
+
+    from api import crud
+    from db.session import make_engine, make_session_factory
+
+    run_id = uuid.UUID(_run_id(registry))
+    engine = make_engine(pg_db)
+    try:
+        with make_session_factory(engine)() as session, pytest.raises(DataError):
+            crud.insert_metrics(session, run_id=run_id, items=[item])
+    finally:
+        engine.dispose()
+    assert _metric_rows(pg_db) == 0
