@@ -22,7 +22,7 @@ from crucible.data import TokenData, load_tokens
 from crucible.model import rope_tables
 from crucible.optim import lr_at
 
-__all__ = ["ReferenceModel", "reference_tokens_per_s"]
+__all__ = ["ReferenceModel", "ReferenceLoop", "reference_tokens_per_s"]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,29 +95,46 @@ def _optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
                              lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
+class ReferenceLoop:
+    """The plain loop, one step at a time (so a benchmark can interleave it with other work).
+    Deterministic given `config.seed`; `total_steps` sets the learning-rate schedule's length."""
+
+    def __init__(self, config: Config, *, total_steps: int) -> None:
+        torch.manual_seed(config.seed)
+        self.config, self.total_steps, self.done = config, total_steps, 0
+        m = config.model
+        self.model = ReferenceModel(m)
+        self.opt = _optimizer(self.model, config)
+        self.data = TokenData(load_tokens(config.data.path, vocab_size=m.vocab_size), model=m,
+                              data=config.data, replicas=config.replicas, seed=config.seed)
+
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.config
+        return c.replicas * c.train.batch_size * c.model.seq_len
+
+    def step(self) -> None:
+        t = self.config.train
+        ids, targets = self.data.batches(replicas=self.config.replicas, batch_size=t.batch_size)
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.done, train=t, total_steps=self.total_steps)
+        loss = self.model(ids.flatten(0, 1), targets.flatten(0, 1))
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"reference loss is {float(loss)} at step {self.done}")
+        self.done += 1
+
+
 def reference_tokens_per_s(config: Config, *, steps: int, warmup: int = 1) -> float:
     """Train the reference for `steps` steps of R*B sequences of T tokens (after `warmup`
     untimed steps) and return tokens per second. Deterministic given `config.seed`."""
-    torch.manual_seed(config.seed)
-    m, t = config.model, config.train
-    model = ReferenceModel(m)
-    opt = _optimizer(model, config)
-    data = TokenData(load_tokens(config.data.path, vocab_size=m.vocab_size), model=m,
-                     data=config.data, replicas=config.replicas, seed=config.seed)
-    total = steps + warmup
-    started = 0.0
-    for step in range(total):
-        if step == warmup:
-            started = time.perf_counter()
-        ids, targets = data.batches(replicas=config.replicas, batch_size=t.batch_size)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, train=t, total_steps=total)
-        loss = model(ids.flatten(0, 1), targets.flatten(0, 1))
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"reference loss is {float(loss)} at step {step}")
-    elapsed = time.perf_counter() - started
-    return steps * config.replicas * t.batch_size * m.seq_len / elapsed
+    loop = ReferenceLoop(config, total_steps=steps + warmup)
+    for _ in range(warmup):
+        loop.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        loop.step()
+    return steps * loop.tokens_per_step / (time.perf_counter() - started)
