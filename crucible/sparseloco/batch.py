@@ -136,13 +136,15 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
           & (quant[:, 1] >= _SCALE_RANGE[0]) & (quant[:, 1] <= _SCALE_RANGE[1])
           & np.isfinite(levels).all(axis=1))
     n = geo.n_values
-    local = _unpack_all(_wire.unpack_indices12, [frames[i].indices[name] for i in order], n)
+    local = _unpack_all(_wire.unpack_indices12, [frames[i].indices[name] for i in order], n,
+                        per_group=2)
     local = local.reshape(len(order), geo.n_chunks, geo.k)
     if local.size:
         ok &= local.max(axis=(1, 2)) < geo.chunk_len
         if geo.k > 1:
             ok &= (np.diff(local, axis=2) > 0).all(axis=(1, 2))
-    codes = _unpack_all(_wire.unpack_codes2, [frames[i].codes[name] for i in order], n)
+    codes = _unpack_all(_wire.unpack_codes2, [frames[i].codes[name] for i in order], n,
+                        per_group=4)
     keep = np.flatnonzero(ok)
     for j in np.flatnonzero(~ok):
         frames.pop(order[j])
@@ -158,11 +160,11 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
         values[order[j]][name] = SparseValues(indices=flat[row], values=decoded[row])
 
 
-def _unpack_all(unpack, raws: list[memoryview], count: int) -> np.ndarray:
-    """`unpack(raw, count)` of every raw part, stacked (len(raws), count); parts whose packing
-    ends on a whole byte group are unpacked as one buffer."""
-    whole = (count % 2 == 0) if unpack is _wire.unpack_indices12 else (count % 4 == 0)
-    if whole:
+def _unpack_all(unpack, raws: list[memoryview], count: int, *, per_group: int) -> np.ndarray:
+    """`unpack(raw, count)` of every raw part, stacked (len(raws), count). When `count` fills
+    whole byte groups (`per_group` values each: 2 indices in 3 bytes, 4 codes in 1), the parts
+    carry no padding and are unpacked as one buffer."""
+    if count % per_group == 0:
         return unpack(memoryview(b"".join(raws)), count * len(raws)).reshape(len(raws), count)
     return np.stack([unpack(raw, count) for raw in raws])
 
