@@ -148,12 +148,9 @@ def _validate(store: Store, key: str, decode: Decode, *, stage: int, replica: in
               global_step: int) -> tuple[Contribution | None, str | None, int]:
     """(contribution, None, size) if valid, (None, reason, size) if not; KeyNotFound if gone."""
     blob = store.get(key)
-    try:
-        contribution = decode(blob)
-        _check_header(contribution, stage=stage, replica=replica, global_step=global_step)
-    except InvalidContribution as exc:
-        return None, exc.reason, len(blob)
-    return contribution, None, len(blob)
+    contribution, reason = _validate_all({replica: blob}, decode, None, stage=stage,
+                                         global_step=global_step)[replica]
+    return contribution, reason, len(blob)
 
 
 def _build(store: Store, run: str, global_step: int, stage: int, expected: list[int],
@@ -192,32 +189,28 @@ def _build(store: Store, run: str, global_step: int, stage: int, expected: list[
 def _validate_all(blobs: dict[int, bytes], decode: Decode, decode_many: DecodeMany | None, *,
                   stage: int, global_step: int,
                   ) -> dict[int, tuple[Contribution | None, str | None]]:
-    """replica -> (contribution, None) or (None, reason) for each downloaded blob, ascending."""
+    """replica -> (contribution, None) or (None, reason) for each blob, ascending; the header
+    must name the stage, replica and step the blob is stored as."""
     replicas = sorted(blobs)
-    if decode_many is None:
-        out = {}
-        for r in replicas:
-            try:
-                out[r] = (_checked(decode(blobs[r]), stage=stage, replica=r,
-                                   global_step=global_step), None)
-            except InvalidContribution as exc:
-                out[r] = (None, exc.reason)
-        return out
-    results = decode_many([blobs[r] for r in replicas])
-    out = {}
+    results = (decode_many([blobs[r] for r in replicas]) if decode_many is not None
+               else [_decoded(decode, blobs[r]) for r in replicas])
+    out: dict[int, tuple[Contribution | None, str | None]] = {}
     for r, result in zip(replicas, results, strict=True):
         try:
             if isinstance(result, InvalidContribution):
                 raise result
-            out[r] = (_checked(result, stage=stage, replica=r, global_step=global_step), None)
+            _check_header(result, stage=stage, replica=r, global_step=global_step)
+            out[r] = (result, None)
         except InvalidContribution as exc:
             out[r] = (None, exc.reason)
     return out
 
 
-def _checked(c: Contribution, *, stage: int, replica: int, global_step: int) -> Contribution:
-    _check_header(c, stage=stage, replica=replica, global_step=global_step)
-    return c
+def _decoded(decode: Decode, blob: bytes) -> Contribution | InvalidContribution:
+    try:
+        return decode(blob)
+    except InvalidContribution as exc:
+        return exc
 
 
 def agree(store: Store, run: str, global_step: int, stage: int, *,
