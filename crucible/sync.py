@@ -154,16 +154,12 @@ class OuterSync:
         shapes, sl = self.shapes[stage], self.config.sparseloco
 
         def decode(blob: bytes):
-            started = time.perf_counter()
-            try:
-                if self.method == "diloco":
-                    return decode_dense(blob, shapes, stage=stage, global_step=global_step)
-                return decode_contribution(blob, shapes, stage=stage, global_step=global_step,
-                                           chunk=sl.chunk, topk=sl.topk)
-            finally:
-                self.codec_s["decode"] += time.perf_counter() - started
+            if self.method == "diloco":
+                return decode_dense(blob, shapes, stage=stage, global_step=global_step)
+            return decode_contribution(blob, shapes, stage=stage, global_step=global_step,
+                                       chunk=sl.chunk, topk=sl.topk)
 
-        return decode
+        return self._timed_decode(decode)
 
     def _batch_decoder(self, global_step: int, stage: int):
         """All of a round's sparse blobs in one call (None for dense: one blob at a time)."""
@@ -172,14 +168,21 @@ class OuterSync:
         shapes, sl = self.shapes[stage], self.config.sparseloco
 
         def decode_many(blobs):
+            return decode_contributions(blobs, shapes, stage=stage, global_step=global_step,
+                                        chunk=sl.chunk, topk=sl.topk)
+
+        return self._timed_decode(decode_many)
+
+    def _timed_decode(self, fn):
+        """`fn` with its time added to the run's decode total."""
+        def timed(arg):
             started = time.perf_counter()
             try:
-                return decode_contributions(blobs, shapes, stage=stage, global_step=global_step,
-                                            chunk=sl.chunk, topk=sl.topk)
+                return fn(arg)
             finally:
                 self.codec_s["decode"] += time.perf_counter() - started
 
-        return decode_many
+        return timed
 
     def _retract(self, stage: int) -> None:
         weights = self.global_weights[stage]
