@@ -54,22 +54,27 @@ def flops_per_token(config: Config) -> float:
 
 
 def _config(args: argparse.Namespace, batch_size: int) -> Config:
+    # a throughput measurement: the corpus may repeat (data.allow_repeat), which the preset
+    # refuses for a real run
     return apply_overrides(get_preset("paper-178m"), {
         "train.device": "cuda", "train.dtype": "bf16", "train.batch_size": batch_size,
         "train.global_steps": args.global_steps + 1, "train.eval_every": 10_000,
         "train.checkpoint_every": 0, "sparseloco.inner_steps": args.inner_steps,
-        "pipeline.compression": args.compression})
+        "pipeline.compression": args.compression, "data.path": args.data_path,
+        "data.allow_repeat": True, "train.eval_tokens": args.eval_tokens})
 
 
 def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def crucible_tokens_per_s(config: Config, global_steps: int) -> float:
-    """Timed outer rounds of the trainer after one warm-up round (evaluation not included)."""
+def crucible_tokens_per_s(config: Config, global_steps: int) -> tuple[float, dict[str, Any]]:
+    """Timed outer rounds of the trainer after one warm-up round (evaluation not included);
+    also the validation loss before and after the 1 + `global_steps` rounds."""
     with tempfile.TemporaryDirectory(prefix="crucible-gpu-") as tmp:
         trainer = Trainer(config, store=LocalStore(Path(tmp) / "store"), run_key="gpu",
                           callback=JsonlCallback(Path(tmp) / "out"))
+        initial = trainer.evaluate()
         trainer.global_step(0)
         _sync()
         start = time.perf_counter()
@@ -79,8 +84,14 @@ def crucible_tokens_per_s(config: Config, global_steps: int) -> float:
         elapsed = time.perf_counter() - start
         tokens = (config.replicas * config.sparseloco.inner_steps * config.train.batch_size
                   * config.model.seq_len * global_steps)
+        losses = {"val_loss_initial": initial, "val_loss_after": trainer.evaluate(),
+                  "val_loss_stderr": trainer.last_eval_stderr,
+                  "global_steps_trained": global_steps + 1,
+                  "eval_tokens": sum(int(t.numel()) for _, t in trainer.validation),
+                  "sync_s_per_round": trainer.counters.timing["sync_s"] / (global_steps + 1),
+                  "inner_s_per_round": trainer.counters.timing["inner_s"] / (global_steps + 1)}
         trainer.callback.close()
-    return tokens / elapsed
+    return tokens / elapsed, losses
 
 
 def reference_tokens_per_s(config: Config, steps: int, warmup: int) -> float:
@@ -107,7 +118,7 @@ def reference_tokens_per_s(config: Config, steps: int, warmup: int) -> float:
     return steps * n * m.seq_len / (time.perf_counter() - start)
 
 
-def _fitting(measure: Callable[[int], float], batch_size: int) -> tuple[float, int]:
+def _fitting(measure: Callable[[int], Any], batch_size: int) -> tuple[Any, int]:
     """measure(batch) at the largest batch <= batch_size (halving) that fits in memory."""
     while True:
         try:
@@ -129,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference-steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    parser.add_argument("--data-path", default=None, help="corpus (default: the cached one)")
+    parser.add_argument("--eval-tokens", type=int, default=262_144,
+                        help="held-out tokens scored before and after the timed rounds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if not torch.cuda.is_available():
@@ -139,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                args.reference_steps, args.warmup),
                               args.batch_size)
     torch.cuda.empty_cache()
-    cru, cru_batch = _fitting(lambda b: crucible_tokens_per_s(_config(args, b), args.global_steps),
-                              ref_batch)
+    (cru, losses), cru_batch = _fitting(
+        lambda b: crucible_tokens_per_s(_config(args, b), args.global_steps), ref_batch)
     config = _config(args, cru_batch)
     fpt = flops_per_token(config)
     peak = args.peak_tflops * 1e12
@@ -153,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         "crucible_tokens_per_s": cru, "reference_tokens_per_s": ref, "ratio": cru / ref,
         "crucible_mfu": cru * fpt / peak, "reference_mfu": ref * fpt / peak,
         "peak_tflops": args.peak_tflops, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "wall_s": time.perf_counter() - started,
+        "wall_s": time.perf_counter() - started, "cpu_threads": torch.get_num_threads(),
+        **losses,
     }
     print(json.dumps(result, indent=2))
 

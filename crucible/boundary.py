@@ -20,7 +20,7 @@ from crucible.config import Config
 from crucible.seeding import generator
 
 __all__ = ["FixedTensors", "fixed_tensors", "encode", "decode", "message_width", "wire_bytes",
-           "msign", "retract", "stiefel_step"]
+           "msign", "retract", "stiefel_step", "centred", "energy_kept", "largest_angle_deg"]
 
 _SUBSPACE_STREAM = 0x55A5
 
@@ -99,6 +99,30 @@ def decode(kind: str, message: torch.Tensor, ids: torch.Tensor, *, receiver: dic
     R, B, T, k = message.shape
     x = torch.matmul(message.reshape(R, B * T, k), basis.transpose(1, 2)).view(R, B, T, -1)
     return x + _anchor(receiver, ids, anchors[stage])
+
+
+def centred(x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor], stage: int,
+            fixed: FixedTensors) -> torch.Tensor:
+    """What a MAPL basis projects at boundary `stage`: X - E_s[ids] P_s, (R, B, T, d)."""
+    assert fixed.anchors_fixed is not None
+    return x - _anchor(sender, ids, fixed.anchors_fixed[stage])
+
+
+def energy_kept(centred_x: torch.Tensor, basis: torch.Tensor) -> float:
+    """Share of the centred boundary activation's energy that a basis (d, k) with orthonormal
+    columns keeps: ||C A||^2 / ||C||^2 (1 = lossless, k/d for isotropic C and a random A)."""
+    flat = centred_x.reshape(-1, centred_x.shape[-1]).double()
+    total = float(flat.pow(2).sum())
+    return float((flat @ basis.double()).pow(2).sum()) / total if total > 0 else float("nan")
+
+
+def largest_angle_deg(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest principal angle (degrees) between the column spaces of two orthonormal (d, k)
+    bases: arccos of the smallest singular value of A^T B."""
+    qa, _ = torch.linalg.qr(a.double())
+    qb, _ = torch.linalg.qr(b.double())
+    sigma = torch.linalg.svdvals(qa.T @ qb).clamp(max=1.0)
+    return float(torch.rad2deg(torch.arccos(sigma.min())))
 
 
 def message_width(config: Config) -> int:

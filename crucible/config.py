@@ -23,10 +23,11 @@ __all__ = [
 ]
 
 Compression = Literal["none", "ssn", "mapl"]
-BypassDecode = Literal["sender", "receiver"]
+BypassDecode = Literal["identity", "sender", "receiver"]
 Strategy = Literal["skip", "drop", "drop_extend", "reroute"]
 OuterMethod = Literal["sparseloco", "diloco", "ddp"]
 Aggregate = Literal["selected_mean", "mean_over_all"]
+ClipGranularity = Literal["tensor", "stage"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["fp32", "bf16"]
 Mlp = Literal["swiglu", "gelu"]
@@ -80,8 +81,8 @@ class PipelineConfig:
     stages: int = 4
     compression: Compression = "none"
     factor: int = 8                 # k = d_model / factor coordinates cross a compressed boundary
-    bypass_decode: BypassDecode = "sender"
-    mapl_lr_scale: float = 0.1      # Stiefel step = mapl_lr_scale * inner learning rate
+    bypass_decode: BypassDecode = "identity"
+    mapl_lr_scale: float = 1.0      # Stiefel step (radians, msign direction) = scale * inner lr
     mapl_momentum: float = 0.9
     mapl_ns_steps: int = 8          # Newton-Schulz iterations of msign
     subspace_seed: int = 1234       # shared seed of U, Tfix and the fixed anchors
@@ -104,6 +105,7 @@ class SparseLoCoConfig:
     chunk: int = 64                 # top-k chunk edge (64x64 blocks, 64-element 1-D chunks)
     topk: int = 64                  # values kept per full 64x64 chunk (density 1/64)
     aggregate: Aggregate = "selected_mean"
+    clip_granularity: ClipGranularity = "tensor"   # median-norm clipping per tensor (Templar)
 
     def __post_init__(self) -> None:
         _positive(self, "sparseloco", "inner_steps", "chunk", "topk")
@@ -139,14 +141,20 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     eval_every: int = 5             # global steps between validation evaluations
-    eval_batches: int = 4
+    eval_tokens: int = 0            # held-out tokens scored per evaluation; 0 = the whole split
+    eval_batch_size: int = 64       # held-out windows per evaluation forward pass (64 was
+                                    # the fastest on a CPU; larger batches leave the cache)
+    eval_initial: bool = True       # also score the untrained model (global step 0)
     checkpoint_every: int = 0       # global steps between checkpoints; 0 = never
     device: Device = "auto"
     dtype: DType = "fp32"
 
     def __post_init__(self) -> None:
-        _positive(self, "train", "global_steps", "batch_size", "lr", "eval_every", "eval_batches",
-                  "eps")
+        _positive(self, "train", "global_steps", "batch_size", "lr", "eval_every",
+                  "eval_batch_size", "eps")
+        _require(self.eval_tokens >= 0,
+                 f"train.eval_tokens must be >= 0 (0 scores the whole held-out split), "
+                 f"got {self.eval_tokens}")
         _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0 (0 disables), got {self.checkpoint_every}")
@@ -174,6 +182,7 @@ class FaultConfig:
 class DataConfig:
     path: str | None = None         # None: the bundled Shakespeare corpus
     val_fraction: float = 0.05      # tail of the token stream held out for validation
+    allow_repeat: bool = False      # permit a token budget larger than the training split
 
     def __post_init__(self) -> None:
         _require(0 < self.val_fraction < 0.5,

@@ -17,7 +17,7 @@ import torch
 from crucible.config import ConfigError, DataConfig, ModelConfig
 from crucible.seeding import DATA_STREAM, generator
 
-__all__ = ["TokenData", "load_tokens"]
+__all__ = ["TokenData", "load_tokens", "check_token_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,20 @@ def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
         raise ConfigError(f"data.path={path!r} has token id {top} >= model.vocab_size="
                           f"{vocab_size}; set model.vocab_size to at least {top + 1}")
     return tokens
+
+
+def check_token_budget(train_tokens: int, *, budget: int, data: DataConfig, preset: str) -> None:
+    """Refuse a run whose token budget needs more than one pass over the training split, unless
+    `data.allow_repeat` is set: a model trained on many passes of a small corpus memorises it,
+    and its numbers say nothing about the model the preset is named after."""
+    if budget <= train_tokens or data.allow_repeat:
+        return
+    source = f"data.path={data.path!r}" if data.path else "the default corpus (Shakespeare)"
+    raise ConfigError(
+        f"preset {preset} trains on {budget:,} tokens but {source} holds "
+        f"{train_tokens:,} training tokens ({budget / train_tokens:.0f} passes). Point data.path "
+        "at a folder of nanoGPT-layout .bin shards (uint16 tokens, e.g. FineWeb's) holding at "
+        "least the budget, or pass --set data.allow_repeat=true to train on repeats anyway")
 
 
 def _bytes_tokens(raw: bytes) -> np.ndarray:
@@ -91,14 +105,19 @@ class TokenData:
         pairs = [self.batch(replica=r, batch_size=batch_size) for r in range(replicas)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
-    def validation(self, *, batches: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A fixed held-out set: the same windows for every run, seed and arm."""
-        count = batches * batch_size
-        high = len(self.val) - self.seq_len - 1
-        stride = max(1, high // count)
-        offsets = (torch.arange(count) * stride) % max(high, 1)
+    def validation(self, *, tokens: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed held-out set: the same windows for every run, seed, arm and evaluation.
+
+        Non-overlapping windows of `seq_len` predicted tokens tile the held-out split; `tokens`
+        > 0 keeps that many tokens' worth of them, evenly spaced over the split (0 keeps all).
+        Returned as batches of at most `batch_size` windows, each (B, T) inputs and targets."""
+        available = (len(self.val) - 1) // self.seq_len
+        wanted = available if tokens <= 0 else min(available, max(1, tokens // self.seq_len))
+        # evenly spaced window indices: a prefix of the split would score one play, not all
+        index = (torch.arange(wanted, dtype=torch.float64) * (available / wanted)).long()
+        offsets = index * self.seq_len
         x, y = _windows(self.val, offsets, self.seq_len)
-        return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, count, batch_size)]
+        return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, wanted, batch_size)]
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"generators": [g.get_state() for g in self.generators]}

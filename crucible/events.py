@@ -6,7 +6,10 @@ same records to the API. Event ids are deterministic (kind, global step, replica
 so a resumed run that re-emits the events of replayed steps produces the same ids, and an
 idempotent sink stores each event exactly once. Metrics are keyed by (name, global_step, replica).
 
-Event kinds: failure_start, bypass, rejoin, contribution_missing, contribution_rejected, reroute.
+Event kinds: failure_start, then one per down stage-replica and global step saying what was done
+about it (bypass: the stage was skipped; drop: the replica's tokens were dropped; reroute: its
+micro-batches went through `detail.donor`'s stage), rejoin, contribution_missing,
+contribution_rejected.
 Metric names: train_loss (per replica), val_loss (global model, replica None), tokens (cumulative).
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Protocol
 __all__ = ["EVENT_KINDS", "METRIC_NAMES", "Metric", "Event", "Callback", "JsonlCallback",
            "MultiCallback", "NullCallback", "event_id"]
 
-EVENT_KINDS = ("failure_start", "bypass", "rejoin", "contribution_missing",
+EVENT_KINDS = ("failure_start", "bypass", "drop", "rejoin", "contribution_missing",
                "contribution_rejected", "reroute")
 METRIC_NAMES = ("train_loss", "val_loss", "tokens")
 

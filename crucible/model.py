@@ -147,10 +147,12 @@ def embed_forward(params: dict[str, torch.Tensor], ids: torch.Tensor, *,
 
 
 def head_losses(params: dict[str, torch.Tensor], x: torch.Tensor,
-                targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy per replica: (R,)."""
+                targets: torch.Tensor, *, per_sequence: bool = False) -> torch.Tensor:
+    """Mean next-token cross-entropy per replica (R,), or per replica and sequence (R, B)."""
     logits = bmm(rms_norm(x, params["ln_f"]), params["head"]).float()
     R = logits.shape[0]
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                              reduction="none")
+    if per_sequence:
+        return losses.reshape(R, targets.shape[1], -1).mean(dim=2)
     return losses.reshape(R, -1).mean(dim=1)

@@ -47,7 +47,7 @@ class _FusedLists:
         self.steps.append(step)
 
 
-def lr_at(step: int, *, train: TrainConfig, total_steps: int) -> float:
+def lr_at(step: float, *, train: TrainConfig, total_steps: int) -> float:
     """Linear warm-up, then cosine decay to `min_lr_ratio * lr` at `total_steps` (held after)."""
     if train.warmup_steps and step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps

@@ -4,8 +4,10 @@
 replica's mean loss. What a fault changes is passed in as data:
 
 - `bypass` (R, S) bool: the stage is skipped for that replica. The message it would have received
-  is forwarded unchanged to the next stage, which decodes it with the basis it was encoded with
-  (`pipeline.bypass_decode = "sender"`) or, naively, with its own expected one (`"receiver"`).
+  is forwarded to the next stage. With MAPL the next stage expects boundary s's basis while the
+  message is in boundary s-1's: `pipeline.bypass_decode = "identity"` re-expresses it in boundary
+  s's basis (what the skipped stage would send were it the identity), `"sender"` decodes it with
+  the basis it was encoded with, `"receiver"` (naive) with the receiver's own.
 - `route` {stage: (R,) long}: replica r's micro-batch passes through stage s of replica
   `route[s][r]` (reroute); gradients of both replicas accumulate in the donor's stage.
 - `select` (R',) long: run only these replicas' weights (validation of the global model).
@@ -29,9 +31,24 @@ from crucible.model import (
     rope_tables,
     stage_layout,
 )
-from crucible.seeding import INIT_STREAM, generator
+from crucible.seeding import INIT_STREAM, generator, name_seed
 
-__all__ = ["ReplicatedPipeline"]
+__all__ = ["ReplicatedPipeline", "initial_tensor"]
+
+
+def initial_tensor(config: Config, spec: ParamSpec, *, stage: int) -> torch.Tensor:
+    """One stage tensor's starting value (unbatched; every replica starts from it).
+
+    One stream per (seed, stage, full tensor name), so adding a tensor never shifts the others
+    and no two tensors share their draws."""
+    if spec.init == "ones":
+        return torch.ones(spec.shape)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape)
+    if spec.init == "stiefel":
+        return boundary.initial_basis(config, stage)
+    gen = generator(config.seed, INIT_STREAM, stage, name_seed(spec.name))
+    return torch.randn(spec.shape, generator=gen) * spec.std
 
 
 class ReplicatedPipeline(nn.Module):
@@ -41,12 +58,13 @@ class ReplicatedPipeline(nn.Module):
         self.S = config.pipeline.stages
         self.R = config.replicas
         self.kind = config.pipeline.compression
+        self.bypass_decode = config.pipeline.bypass_decode   # settable: bypass-damage compares
         self.layouts: list[list[ParamSpec]] = [stage_layout(config, s) for s in range(self.S)]
         self.stages = nn.ModuleList()
         for s, layout in enumerate(self.layouts):
             params = nn.ParameterDict()
             for spec in layout:
-                value = self._initial(spec, s)
+                value = initial_tensor(config, spec, stage=s)
                 params[spec.name] = nn.Parameter(value.expand(self.R, *spec.shape).clone())
             self.stages.append(params)
         self.fixed = boundary.fixed_tensors(config)
@@ -54,17 +72,6 @@ class ReplicatedPipeline(nn.Module):
         cos, sin = rope_tables(config.model.seq_len, hd, config.model.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-
-    def _initial(self, spec: ParamSpec, stage: int) -> torch.Tensor:
-        # one stream per (seed, stage, tensor): adding a tensor never shifts the others
-        gen = generator(self.config.seed, INIT_STREAM, stage, sum(map(ord, spec.name)), len(spec.name))
-        if spec.init == "ones":
-            return torch.ones(spec.shape)
-        if spec.init == "zeros":
-            return torch.zeros(spec.shape)
-        if spec.init == "stiefel":
-            return boundary.initial_basis(self.config, stage)
-        return torch.randn(spec.shape, generator=gen) * spec.std
 
     def to_device(self, device: torch.device) -> ReplicatedPipeline:
         self.to(device)
@@ -98,11 +105,13 @@ class ReplicatedPipeline(nn.Module):
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, *, bypass: torch.Tensor | None = None,
                 route: dict[int, torch.Tensor] | None = None, select: torch.Tensor | None = None,
-                passthrough: bool = False) -> torch.Tensor:
-        """Per-replica mean loss (R',) for ids/targets (R', B, T).
+                passthrough: bool = False, per_sequence: bool = False,
+                taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Per-replica mean loss (R',) for ids/targets (R', B, T), or (R', B) per sequence.
 
         `passthrough=True` replaces every encode/decode by the identity (a reference model with
-        the same weights and no codec, for tests)."""
+        the same weights and no codec, for tests). `taps`, when given, receives each boundary's
+        activation before encoding: {boundary s: X (R', B, T, d)}."""
         route = route or {}
         if bypass is not None and bypass.any():
             assert not bypass[:, 0].any() and not bypass[:, -1].any(), "only inner stages bypass"
@@ -121,20 +130,39 @@ class ReplicatedPipeline(nn.Module):
             for layer in layers_of(self.config, s):
                 x = block_forward(params[s], layer, x, config=self.config, rope=rope, subspace=subspace)
             if s == self.S - 1:
-                return head_losses(params[s], x, targets)
+                return head_losses(params[s], x, targets, per_sequence=per_sequence)
+            if taps is not None:
+                taps[s] = x.detach()
             sent = boundary.encode(kind, x, ids, sender=params[s], stage=s, fixed=fixed)
             if bypass is not None and s > 0 and bypass[:, s].any():
                 keep = bypass[:, s][:, None, None, None]
-                sent = torch.where(keep, message, sent)
+                sent = torch.where(keep, self._bypassed(message, params, s), sent)
             message = sent
         raise AssertionError("unreachable: the last stage returns")
+
+    def window_losses(self, ids: torch.Tensor, targets: torch.Tensor, *,
+                      select: torch.Tensor, bypass: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss of every window (R', B) of the `select`ed replicas' weights."""
+        return self(ids, targets, select=select, bypass=bypass, per_sequence=True)
+
+    def _bypassed(self, message: torch.Tensor, params: list[dict[str, torch.Tensor]],
+                  stage: int) -> torch.Tensor:
+        """What crosses boundary `stage` when `stage` is skipped: the message it received, or
+        (MAPL, `bypass_decode=identity`) that message re-expressed in boundary `stage`'s basis,
+        Z A_{s-1}^T A_s: exactly what the skipped stage would send if its blocks were the
+        identity. A_s is the global basis every peer holds; the skipped stage takes no gradient."""
+        if self.kind != "mapl" or self.bypass_decode != "identity":
+            return message
+        relay = params[stage - 1]["basis"].transpose(1, 2) @ params[stage]["basis"].detach()
+        R, B, T, k = message.shape
+        return torch.matmul(message.reshape(R, B * T, k), relay).view(R, B, T, -1)
 
     def _decode_basis(self, params: list[dict[str, torch.Tensor]], stage: int,
                       bypass: torch.Tensor | None) -> torch.Tensor | None:
         if self.kind != "mapl":
             return None
         basis = params[stage - 1]["basis"]
-        if (bypass is None or stage < 2 or self.config.pipeline.bypass_decode != "sender"
+        if (bypass is None or stage < 2 or self.bypass_decode != "sender"
                 or not bypass[:, stage - 1].any()):
             return basis
         # the message skipped stage-1: it is still in the coordinates of boundary stage-2

@@ -30,7 +30,7 @@ def smoke() -> Config:
         pipeline=PipelineConfig(stages=4, factor=8),
         sparseloco=SparseLoCoConfig(inner_steps=4),
         train=TrainConfig(global_steps=10, batch_size=4, lr=5e-3, warmup_steps=8,
-                          eval_every=5, eval_batches=4),
+                          eval_every=5),
         faults=FaultConfig(duration=3),
     )
 
@@ -42,7 +42,24 @@ def small() -> Config:
         pipeline=PipelineConfig(stages=4, factor=8),
         sparseloco=SparseLoCoConfig(inner_steps=8),
         train=TrainConfig(global_steps=30, batch_size=4, lr=3e-3, warmup_steps=20,
-                          eval_every=5, eval_batches=8, checkpoint_every=10),
+                          eval_every=5, checkpoint_every=10),
+        faults=FaultConfig(duration=6),
+    )
+
+
+def study() -> Config:
+    # The failure study at CPU scale (docs/RESULTS.md says how it was chosen): the smoke model,
+    # but H = 16 inner steps (near SparseLoCo's 15) so that every replica's pseudo-gradient
+    # carries real progress and dropping a replica's tokens costs something, and 60 global steps
+    # (0.98M tokens, ~0.2x a Chinchilla budget for 0.23M parameters: token-limited), decaying
+    # to the schedule's floor at the end. Evaluated on the whole held-out split.
+    return Config(
+        preset="study",
+        model=ModelConfig(d_model=64, layers=4, heads=4, seq_len=32),
+        pipeline=PipelineConfig(stages=4, factor=8),
+        sparseloco=SparseLoCoConfig(inner_steps=16),
+        train=TrainConfig(global_steps=60, batch_size=4, lr=5e-3, warmup_steps=32,
+                          eval_every=60, eval_initial=False),
         faults=FaultConfig(duration=6),
     )
 
@@ -57,7 +74,7 @@ def paper_178m() -> Config:
         pipeline=PipelineConfig(stages=4, factor=8),
         sparseloco=SparseLoCoConfig(inner_steps=30),
         train=TrainConfig(global_steps=904, batch_size=16, lr=1e-3, warmup_steps=1000,
-                          eval_every=50, eval_batches=16, checkpoint_every=50,
+                          eval_every=50, eval_tokens=4_194_304, checkpoint_every=50,
                           device="auto", dtype="bf16"),
         faults=FaultConfig(duration=6),
         data=DataConfig(),
@@ -74,6 +91,8 @@ class PresetInfo:
 PRESETS: dict[str, PresetInfo] = {
     "smoke": PresetInfo(smoke, "tiny model for tests and demos", "~10 s"),
     "small": PresetInfo(small, "loss curves that mean something", "~3 min"),
+    "study": PresetInfo(study, "the failure study's preset (docs/RESULTS.md), R=8 S=4 H=16",
+                        "~1 min"),
     "paper-178m": PresetInfo(paper_178m, "the blog's 178M, R=8 S=4, Chinchilla tokens (GPU)",
                              "days; use a GPU"),
 }

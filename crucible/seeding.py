@@ -2,9 +2,11 @@
 subspaces) has its own stream derived from the run seed, so changing one never shifts another."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-__all__ = ["mix_seed", "generator", "INIT_STREAM", "DATA_STREAM", "FAULT_STREAM"]
+__all__ = ["mix_seed", "name_seed", "generator", "INIT_STREAM", "DATA_STREAM", "FAULT_STREAM"]
 
 INIT_STREAM = 0x1A17
 DATA_STREAM = 0xD47A
@@ -18,6 +20,14 @@ def mix_seed(*values: int) -> int:
         state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         state = (state ^ (state >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
     return state & 0x7FFFFFFFFFFFFFFF
+
+
+def name_seed(name: str) -> int:
+    """A stable 63-bit integer for a name (BLAKE2b of its UTF-8 bytes): unlike a sum of
+    character codes, two different names never share it by accident (`h0_proj` and `h3_down`
+    have the same letters)."""
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
 
 def generator(*values: int) -> torch.Generator:

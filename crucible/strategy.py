@@ -38,6 +38,15 @@ class StepPlan:
     def down_pairs(self) -> list[tuple[int, int]]:
         return [(int(r), int(s)) for r, s in torch.nonzero(self.down).tolist()]
 
+    def rerouted_crossings(self) -> torch.Tensor:
+        """(R,) boundary crossings per token that go to or come from a donor's stage: two per
+        rerouted stage (into the donor and back out). They are among `crossings()`: a reroute
+        changes where a crossing goes, not how many there are."""
+        count = torch.zeros(self.down.shape[0], dtype=torch.long)
+        for replica, _stage in self.donors:
+            count[replica] += 2
+        return count
+
     def crossings(self) -> torch.Tensor:
         """(R,) boundary crossings per token: S-1, one fewer per bypassed stage, 0 if dropped."""
         S = self.down.shape[1]

@@ -61,6 +61,7 @@ class RunCounters:
     rejected: int = 0
     bytes_forward: int = 0
     bytes_backward: int = 0
+    bytes_rerouted: int = 0
     bytes_upload: int = 0
     bytes_dense: int = 0
     skipped_outer_steps: int = 0
@@ -89,6 +90,8 @@ class RunCounters:
         crossings_tokens = int(step.crossings().sum()) * tokens_per_replica
         self.bytes_forward += crossings_tokens * forward
         self.bytes_backward += crossings_tokens * backward
+        rerouted_tokens = int(step.rerouted_crossings().sum()) * tokens_per_replica
+        self.bytes_rerouted += rerouted_tokens * (forward + backward)
 
     def record_sync(self, global_step: int, results: list[StageSyncResult], callback: Callback) -> None:
         for result in results:
@@ -115,6 +118,7 @@ class RunCounters:
             "seed": config.seed,
             "initial_val_loss": self.initial_val_loss,
             "final_val_loss": final,
+            "val_loss_stderr": self.evals[-1].get("val_loss_stderr") if self.evals else None,
             "evals": self.evals,
             "global_steps": global_steps,
             "tokens_budget": tokens_budget,
@@ -126,6 +130,7 @@ class RunCounters:
             "bytes": {
                 "boundary_forward": self.bytes_forward,
                 "boundary_backward": self.bytes_backward,
+                "boundary_rerouted": self.bytes_rerouted,   # part of the two above
                 "upload": self.bytes_upload,
                 "dense_upload_equivalent": self.bytes_dense,
                 "upload_per_global_step": self.bytes_upload / max(global_steps, 1),

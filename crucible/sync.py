@@ -105,7 +105,8 @@ class OuterSync:
         if contributions:
             mode = self.config.sparseloco.aggregate
             update = aggregate(contributions, self.shapes[stage], mode=mode,
-                               clip=self.method == "sparseloco")
+                               clip=self.method == "sparseloco",
+                               granularity=self.config.sparseloco.clip_granularity)
             device = next(iter(self.global_weights[stage].values())).device
             self.outer[stage].step(self.global_weights[stage],
                                    {n: u.to(device) for n, u in update.items()})

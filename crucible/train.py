@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from crucible import boundary
+from crucible.bypass import MODEL_FILE, save_global_weights
 from crucible.checkpoint import load_latest, save_checkpoint
 from crucible.config import Config
-from crucible.data import TokenData, load_tokens
+from crucible.data import TokenData, check_token_budget, load_tokens
 from crucible.errors import TrainingDiverged
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
@@ -58,17 +59,20 @@ class Trainer:
         self.config, self.store, self.run_key, self.callback = config, store, run_key, callback
         self.device = resolve_device(config.train.device)
         self.R, self.S, self.H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
+        tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
+        self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
+                              seed=config.seed)
+        check_token_budget(len(self.data.train),
+                           budget=tokens_per_global_step(config) * config.train.global_steps,
+                           data=config.data, preset=config.preset)
         self.model = ReplicatedPipeline(config).to_device(self.device)
         self.optimizer = ReplicaAdamW([self.model.stage_params(s) for s in range(self.S)],
                                       self.model.layouts, train=config.train, replicas=self.R)
         self.stiefel_momentum = {s: torch.zeros_like(p["basis"]) for s in range(self.S)
                                  if "basis" in (p := self.model.stage_params(s))}
         self.sync = OuterSync(config, self.model, store=store, run_key=run_key)
-        tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
-        self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
-                              seed=config.seed)
-        self.validation = self.data.validation(batches=config.train.eval_batches,
-                                               batch_size=config.train.batch_size)
+        self.validation = self.data.validation(tokens=config.train.eval_tokens,
+                                               batch_size=config.train.eval_batch_size)
         self.max_steps = self._max_steps()
         faults = config.faults
         self.plan = plan if plan is not None else draw_plan(
@@ -87,10 +91,13 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def run(self, *, on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        if self.counters.initial_val_loss is None:
+        if self.counters.initial_val_loss is None and self.config.train.eval_initial:
+            eval_started = time.perf_counter()
             self.counters.initial_val_loss = self.evaluate()
+            self.counters.timing["eval_s"] += time.perf_counter() - eval_started
             self.counters.evals.append({"global_step": 0, "tokens": 0,
-                                        "val_loss": self.counters.initial_val_loss})
+                                        "val_loss": self.counters.initial_val_loss,
+                                        "val_loss_stderr": self.last_eval_stderr})
             self.callback.metric(Metric("val_loss", 0, self.counters.initial_val_loss, tokens=0))
         budget = tokens_per_global_step(self.config) * self.config.train.global_steps
         while not self._finished(budget):
@@ -103,9 +110,35 @@ class Trainer:
             self._maybe_checkpoint(started, budget)
         self.counters.wall_s += time.perf_counter() - started
         self.counters.timing.update({f"{k}_s": v for k, v in self.sync.codec_s.items()})
-        return self.counters.summary(self.config, plan=self.plan.until(self.next_step),
-                                     tokens_budget=budget, global_steps=self.next_step,
-                                     synced_params=self.sync.param_count())
+        summary = self.counters.summary(self.config, plan=self.plan.until(self.next_step),
+                                        tokens_budget=budget, global_steps=self.next_step,
+                                        synced_params=self.sync.param_count())
+        summary["eval_tokens"] = sum(int(targets.numel()) for _, targets in self.validation)
+        if self.config.pipeline.compression == "mapl":
+            summary["mapl_bases"] = self.basis_report()
+        return summary
+
+    @torch.no_grad()
+    def basis_report(self, *, windows: int = 1024) -> list[dict[str, Any]]:
+        """Per MAPL boundary: how far the learned (global) basis moved from its initial one
+        (largest principal angle) and the share of the boundary's centred activation energy each
+        keeps, on up to `windows` held-out windows through the global model."""
+        select = torch.tensor([0], device=self.device)
+        ids = torch.cat([x for x, _ in self.validation])[:windows][None].to(self.device)
+        taps: dict[int, torch.Tensor] = {}
+        params = [{n: p[select] for n, p in self.model.stage_params(s).items()}
+                  for s in range(self.S)]
+        self.model(ids, ids, select=select, taps=taps)
+        rows = []
+        for s in range(self.S - 1):
+            learned = params[s]["basis"][0]
+            initial = boundary.initial_basis(self.config, s).to(learned.device)
+            c = boundary.centred(taps[s], ids, sender=params[s], stage=s, fixed=self.model.fixed)
+            rows.append({"boundary": s,
+                         "angle_deg": boundary.largest_angle_deg(initial, learned),
+                         "energy_kept": boundary.energy_kept(c, learned),
+                         "energy_kept_initial": boundary.energy_kept(c, initial)})
+        return rows
 
     def _finished(self, budget: int) -> bool:
         if self.next_step < self.config.train.global_steps:
@@ -161,13 +194,15 @@ class Trainer:
             self.callback.event(Event("failure_start", g, replica=failure.replica, stage=failure.stage,
                                       detail={"duration": failure.duration, "strategy": strategy}))
         for replica, stage in step.down_pairs():
-            detail: dict[str, Any] = {"strategy": strategy}
+            # one event per down stage-replica saying what was done about it at this step
             donor = step.donors.get((replica, stage))
             if donor is not None:
-                detail["donor"] = donor
-                self.callback.event(Event("reroute", g, replica=replica, stage=stage,
-                                          detail={"donor": donor}))
-            self.callback.event(Event("bypass", g, replica=replica, stage=stage, detail=detail))
+                kind, detail = "reroute", {"strategy": strategy, "donor": donor}
+            elif bool(step.bypass[replica, stage]):
+                kind, detail = "bypass", {"strategy": strategy}
+            else:
+                kind, detail = "drop", {"strategy": strategy}
+            self.callback.event(Event(kind, g, replica=replica, stage=stage, detail=detail))
 
     # -- inner steps -----------------------------------------------------------------------------
     def _inner_steps(self, g: int, step: StepPlan) -> dict[int, float]:
@@ -179,7 +214,8 @@ class Trainer:
         total_inner = self.config.train.global_steps * self.H
         for h in range(self.H):
             ids, targets = self.data.batches(replicas=self.R, batch_size=self.config.train.batch_size)
-            lr = lr_at(g * self.H + h, train=self.config.train, total_steps=total_inner)
+            lr = lr_at(self._schedule_position(g, h, step), train=self.config.train,
+                       total_steps=total_inner)
             with self._autocast():
                 losses = self.model(ids.to(self.device), targets.to(self.device),
                                     bypass=bypass, route=route)
@@ -187,9 +223,42 @@ class Trainer:
                 raise TrainingDiverged(f"non-finite training loss at global step {g}, inner step "
                                        f"{h}: {losses.tolist()}")
             (losses * weights).sum().backward()
+            self._average_donor_gradients(step)
             self._update(lr, active)
             totals += losses.detach().double().cpu()
         return {r: float(totals[r] / self.H) for r in range(self.R) if step.loss_weight[r] > 0}
+
+    @torch.no_grad()
+    def _average_donor_gradients(self, step: StepPlan) -> None:
+        """reroute: a donor's stage accumulated the gradients of its own micro-batch and of each
+        replica it served, a sum of per-batch means; divide by the number of batches so that
+        every batch weighs what one replica's batch weighs, and the donor's clipping and AdamW
+        see a mean gradient, not one inflated by the foreign batches."""
+        if step.extra_load is None or not bool(step.extra_load.any()):
+            return
+        for s in range(self.S):
+            load = step.extra_load[:, s]
+            if not bool(load.any()):
+                continue
+            scale = (1.0 / (1.0 + load.double())).float().to(self.device)
+            for p in self.model.stage_params(s).values():
+                if p.grad is not None:
+                    p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
+
+    def _schedule_position(self, g: int, h: int, step: StepPlan) -> float:
+        """Where inner step h of global step g sits on the learning-rate schedule, in inner steps.
+
+        Every strategy but `drop_extend` follows the nominal clock (g * H + h): a `drop` run keeps
+        its original schedule, as in the blog. `drop_extend` trains until it has processed the
+        token budget, so its clock is the tokens processed so far over the tokens one full inner
+        step processes: warm-up and decay stretch over what the run actually trains, and the
+        schedule reaches its floor as the budget is met (not at the nominal last step, after
+        which every extra step would run at the floor)."""
+        if self.config.faults.strategy != "drop_extend":
+            return float(g * self.H + h)
+        full_step = self.R * self.config.train.batch_size * self.config.model.seq_len
+        processing = float((step.loss_weight > 0).sum()) / self.R
+        return self.counters.tokens_processed / full_step + h * processing
 
     def _update(self, lr: float, active: torch.Tensor) -> None:
         if self.config.sparseloco.method == "ddp":
@@ -233,14 +302,26 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss of the global model (replica 0 holds the global weights after every
-        outer step), all stages, no bypass."""
+        outer step), all stages, no bypass: the mean over the fixed held-out windows. Its
+        standard error (over windows) is kept in `last_eval_stderr`."""
+        window_losses = self.window_losses()
+        self.last_window_losses = window_losses
+        n = window_losses.numel()
+        self.last_eval_stderr = (float(window_losses.std() / n ** 0.5) if n > 1 else float("nan"))
+        return float(window_losses.mean())
+
+    @torch.no_grad()
+    def window_losses(self, *, bypass: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss of every held-out window (float64, on the CPU), global model, optionally
+        with `bypass` (1, S) stages skipped (bypass-damage measurements)."""
         select = torch.tensor([0], device=self.device)
-        total = 0.0
+        parts = []
         for ids, targets in self.validation:
             with self._autocast():
-                loss = self.model(ids[None].to(self.device), targets[None].to(self.device), select=select)
-            total += float(loss[0])
-        return total / len(self.validation)
+                parts.append(self.model.window_losses(ids[None].to(self.device),
+                                                      targets[None].to(self.device),
+                                                      select=select, bypass=bypass)[0])
+        return torch.cat(parts).double().cpu()
 
     def _maybe_evaluate(self, budget: int) -> None:
         g = self.next_step
@@ -251,7 +332,7 @@ class Trainer:
             if not torch.isfinite(torch.tensor(val)):
                 raise TrainingDiverged(f"validation loss is {val} after global step {g}")
             self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,
-                                        "val_loss": val})
+                                        "val_loss": val, "val_loss_stderr": self.last_eval_stderr})
             self.callback.metric(Metric("val_loss", g, val, tokens=self.counters.tokens_processed))
 
     def _maybe_checkpoint(self, started: float, budget: int) -> None:
@@ -290,7 +371,10 @@ def _versions() -> dict[str, str]:
     import crucible
     from crucible.summary import git_sha
     return {"crucible": crucible.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "git_sha": git_sha()}
+            "python": platform.python_version(), "git_sha": git_sha(),
+            "host": platform.node(), "machine": platform.machine(),
+            "cpu_threads": torch.get_num_threads(),
+            "device": (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")}
 
 
 def _run_identity(out_dir: Path, config: Config, resume: bool,
@@ -343,6 +427,10 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
             summary = trainer.run(on_step=step_done)
     finally:
         sink.flush()
+    save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
+    if getattr(trainer, "last_window_losses", None) is not None:
+        # per-window final losses: paired comparisons between runs on the same windows
+        torch.save(trainer.last_window_losses.float(), out / "val_windows.pt")
     summary["versions"] = _versions()
     summary["run_key"] = run_key
     summary["store_url"] = store_url

@@ -1,8 +1,10 @@
 """Aggregation of a stage's agreed contributions into one dense outer pseudo-gradient.
 
-Each contributor's whole stage vector is first clipped to the median L2 norm of the contributors
+Each contribution is first clipped to the median L2 norm of the contributors
 (`scale = min(1, median / ||v||)`; the median of an even count is the mean of the two middle
-norms), which bounds what one outlier can do. Then, per coordinate:
+norms), which bounds what one outlier can do. `granularity="tensor"` (the default, as Templar
+does) takes norms and medians per parameter tensor; `"stage"` clips each contributor's whole stage
+vector by one factor. Then, per coordinate:
 
 - `selected_mean` (default, as both public codebases do): mean over the contributors that selected
   that coordinate; a coordinate nobody selected stays 0.
@@ -13,6 +15,7 @@ in the order given (the gather returns them in replica order), so the result is 
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -20,20 +23,34 @@ import torch
 
 from crucible.sparseloco.codec import Contribution
 
-__all__ = ["aggregate", "clip_scales", "AGGREGATE_MODES"]
+__all__ = ["aggregate", "clip_scales", "tensor_clip_scales", "AGGREGATE_MODES",
+           "CLIP_GRANULARITIES"]
 
 AGGREGATE_MODES = ("selected_mean", "mean_over_all")
+CLIP_GRANULARITIES = ("tensor", "stage")
 
 
-def clip_scales(contributions: Sequence[Contribution]) -> list[float]:
-    """Per-contributor factor `min(1, median_norm / norm)` (1.0 for a zero vector)."""
-    norms = [c.norm() for c in contributions]
+def _median_scales(norms: Sequence[float]) -> list[float]:
     median = statistics.median(norms)
     return [1.0 if n == 0 or n <= median else median / n for n in norms]
 
 
+def clip_scales(contributions: Sequence[Contribution]) -> list[float]:
+    """Per-contributor factor `min(1, median_norm / norm)` of the whole stage vector (1.0 for a
+    zero vector)."""
+    return _median_scales([c.norm() for c in contributions])
+
+
+def tensor_clip_scales(contributions: Sequence[Contribution],
+                       names: Sequence[str]) -> dict[str, list[float]]:
+    """Per parameter tensor, per contributor: `min(1, median_norm / norm)` of that tensor."""
+    return {name: _median_scales([math.sqrt(c.params[name].norm_sq()) for c in contributions])
+            for name in names}
+
+
 def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[int, ...]], *,
-              mode: str = "selected_mean", clip: bool = True) -> dict[str, torch.Tensor]:
+              mode: str = "selected_mean", clip: bool = True,
+              granularity: str = "tensor") -> dict[str, torch.Tensor]:
     """Dense fp32 aggregate per parameter of `shapes` (name -> shape).
 
     Raises ValueError for an empty list (the stage must skip its outer step instead), an unknown
@@ -41,14 +58,24 @@ def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[
     """
     if mode not in AGGREGATE_MODES:
         raise ValueError(f"sparseloco.aggregate must be one of {AGGREGATE_MODES}, got {mode!r}")
+    if granularity not in CLIP_GRANULARITIES:
+        raise ValueError(f"sparseloco.clip_granularity must be one of {CLIP_GRANULARITIES}, "
+                         f"got {granularity!r}")
     if not contributions:
         raise ValueError("no contributions to aggregate; the stage should skip its outer step")
     for c in contributions:
         if set(c.params) != set(shapes):
             raise ValueError(f"replica {c.replica}'s contribution has parameters "
                              f"{sorted(c.params)}, expected {sorted(shapes)}")
-    scales = clip_scales(contributions) if clip else [1.0] * len(contributions)
-    return {name: _aggregate_one(name, shape, contributions, scales, mode)
+    ones = [1.0] * len(contributions)
+    if not clip:
+        scales = {name: ones for name in shapes}
+    elif granularity == "tensor":
+        scales = tensor_clip_scales(contributions, list(shapes))
+    else:
+        whole = clip_scales(contributions)
+        scales = {name: whole for name in shapes}
+    return {name: _aggregate_one(name, shape, contributions, scales[name], mode)
             for name, shape in shapes.items()}
 
 

@@ -23,7 +23,7 @@ from flows.run_flow import train_run
 pytestmark = pytest.mark.integration
 
 TINY = ["replicas=2", "sparseloco.inner_steps=2", "train.batch_size=2", "model.seq_len=32",
-        "model.d_model=32", "train.eval_batches=1", "faults.p=0.5", "faults.duration=1",
+        "model.d_model=32", "train.eval_tokens=64", "faults.p=0.5", "faults.duration=1",
         "pipeline.compression=ssn"]
 
 

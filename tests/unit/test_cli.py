@@ -43,8 +43,8 @@ def test_bad_set_exits_2_naming_the_key(tmp_path, override, needle):
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_presets_lists_the_three_presets():
+def test_presets_lists_every_preset():
     done = _crucible("presets", "--json")
     assert done.returncode == 0, done.stderr
     names = [row["name"] for row in json.loads(done.stdout)]
-    assert names == ["smoke", "small", "paper-178m"]
+    assert names == ["smoke", "small", "study", "paper-178m"]

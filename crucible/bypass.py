@@ -1,0 +1,117 @@
+"""Instant bypass damage: how much a trained model's validation loss rises when one inner stage
+is skipped, forward only, for each way a compressed boundary can be bridged.
+
+This separates the modelling choice (how the stage after a skipped one reads a message that was
+not meant for it) from training dynamics: the same trained weights, the same held-out windows,
+one stage bypassed at a time. `crucible bypass-damage RUN_DIR` runs it on a finished run's
+`model.pt` (the global weights `crucible run` writes at the end).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crucible.config import Config, ConfigError
+
+__all__ = ["save_global_weights", "load_global_weights", "bypass_damage", "DECODE_OPTIONS",
+           "MODEL_FILE", "MAX_MODEL_BYTES"]
+
+MODEL_FILE = "model.pt"
+MAX_MODEL_BYTES = 8 << 30          # a 178M fp32 model is 0.7 GB; refuse anything absurd
+DECODE_OPTIONS = ("identity", "sender", "receiver")
+
+
+def save_global_weights(path: Path, weights: list[dict[str, torch.Tensor]]) -> None:
+    """Write the global weights of every stage (write-then-rename)."""
+    buffer = io.BytesIO()
+    torch.save({"format": 1, "stages": [{n: t.detach().cpu() for n, t in w.items()}
+                                        for w in weights]}, buffer)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buffer.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_global_weights(path: Path) -> list[dict[str, torch.Tensor]]:
+    """The stages' global weights from `save_global_weights`; ConfigError on a bad file."""
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: bypass-damage needs a run folder that "
+                          f"`crucible run` finished (it writes {MODEL_FILE} at the end)")
+    size = path.stat().st_size
+    if size > MAX_MODEL_BYTES:
+        raise ConfigError(f"{path} is {size} bytes, over the {MAX_MODEL_BYTES}-byte limit")
+    try:
+        payload = torch.load(path, weights_only=True, map_location="cpu")
+        stages = payload["stages"]
+        if payload.get("format") != 1 or not isinstance(stages, list):
+            raise ValueError("unknown format")
+        return [{str(n): t for n, t in w.items()} for w in stages]
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear error
+        raise ConfigError(f"{path} is not a Crucible model file ({exc}); re-run the run") from None
+
+
+def _config_of(run_dir: Path) -> Config:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no summary.json: pass the --out folder of a "
+                          "finished `crucible run`")
+    try:
+        return Config.from_dict(json.loads(path.read_text())["config"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} has no valid config: {exc}") from None
+
+
+@torch.no_grad()
+def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = None,
+                  options: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Validation loss of the run's final global model with no stage skipped, then with each
+    inner stage skipped under each decode option (MAPL: identity, sender, receiver; the other
+    codecs have one way to bypass). Returns {"config", "eval_tokens", "intact", "rows": [{stage,
+    decode, val_loss, damage_pct, damage_stderr_pct}]}; damage is paired (same windows), its
+    standard error taken over windows."""
+    from crucible.events import MultiCallback
+    from crucible.store import open_store
+    from crucible.train import Trainer
+
+    run = Path(run_dir)
+    config = _config_of(run)
+    weights = load_global_weights(run / MODEL_FILE)
+    if eval_tokens is not None:
+        from crucible.config import apply_overrides
+        config = apply_overrides(config, {"train.eval_tokens": eval_tokens})
+    with tempfile.TemporaryDirectory(dir=run) as scratch:
+        trainer = Trainer(config, store=open_store(Path(scratch).resolve().as_uri()),
+                          run_key="bypass-damage", callback=MultiCallback())
+        if len(weights) != trainer.S:
+            raise ConfigError(f"{run / MODEL_FILE} has {len(weights)} stages, the config "
+                              f"{trainer.S}")
+        for s, w in enumerate(weights):
+            trainer.model.set_stage(s, {n: t.to(trainer.device) for n, t in w.items()})
+        intact = trainer.window_losses()
+        kinds = options or (DECODE_OPTIONS if config.pipeline.compression == "mapl" else ("-",))
+        rows = []
+        for stage in range(1, trainer.S - 1):
+            skip = torch.zeros(1, trainer.S, dtype=torch.bool, device=trainer.device)
+            skip[0, stage] = True
+            for decode in kinds:
+                if decode != "-":
+                    trainer.model.bypass_decode = decode
+                losses = trainer.window_losses(bypass=skip)
+                diff = (losses - intact) / intact.mean() * 100
+                rows.append({"stage": stage, "decode": decode,
+                             "val_loss": float(losses.mean()),
+                             "damage_pct": float(diff.mean()),
+                             "damage_stderr_pct": float(diff.std() / diff.numel() ** 0.5)})
+    return {"config": config.to_dict(), "eval_tokens": int(sum(t.numel() for _, t in
+                                                                 trainer.validation)),
+            "intact": float(intact.mean()), "rows": rows}
