@@ -21,7 +21,8 @@ from crucible.events import EVENT_KINDS, METRIC_NAMES
 
 __all__ = [
     "MAX_BATCH_ITEMS", "RunStatus", "SweepStatus", "Compression", "Strategy", "MetricName",
-    "EventKind", "SweepCreate", "SweepUpdate", "SweepPublic", "RunCreate", "RunUpdate",
+    "EventKind", "EVENT_KIND_HELP", "SweepCreate", "SweepUpdate", "SweepPublic", "RunCreate",
+    "RunUpdate",
     "RunPublic", "MetricIn", "MetricPublic", "EventIn", "EventPublic", "MetricBatch",
     "EventBatch", "BatchResult", "Page", "RobustnessItem", "MissingBaseline", "RobustnessPublic",
     "TableCell", "TableRow", "TablePublic", "Health", "Readiness",
@@ -39,6 +40,10 @@ Compression = Literal["none", "ssn", "mapl"]
 Strategy = Literal["skip", "drop", "drop_extend", "reroute"]
 MetricName = Literal[METRIC_NAMES]  # type: ignore[valid-type]
 EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
+EVENT_KIND_HELP = ("What happened. Per down stage-replica and global step exactly one of: bypass "
+                   "(the stage was skipped), drop (the replica's tokens were dropped), reroute "
+                   "(its micro-batches went through detail.donor's stage); also failure_start, "
+                   "rejoin, contribution_missing, contribution_rejected.")
 
 
 def _check_text(value: str) -> str:
@@ -194,7 +199,7 @@ class MetricPublic(BaseModel):
 class EventIn(BaseModel):
     model_config = _IN
     id: Text(200, 1)  # type: ignore[valid-type]
-    kind: EventKind
+    kind: EventKind = Field(description=EVENT_KIND_HELP)
     global_step: Step
     replica: Index | None = None
     stage: Index | None = None
@@ -203,7 +208,7 @@ class EventIn(BaseModel):
 
 class EventPublic(BaseModel):
     id: str
-    kind: str
+    kind: str = Field(description=EVENT_KIND_HELP)
     global_step: int
     replica: int | None
     stage: int | None

@@ -128,6 +128,17 @@ class ReferenceLoop:
         self.done += 1
 
 
+    @torch.no_grad()
+    def evaluate(self, windows: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over held-out batches (the same (B, T) windows the trainer scores), so a
+        benchmark can give the reference the evaluation work the trainer does."""
+        total, count = 0.0, 0
+        for ids, targets in windows:
+            total += float(self.model(ids, targets)) * ids.shape[0]
+            count += ids.shape[0]
+        return total / max(count, 1)
+
+
 def reference_tokens_per_s(config: Config, *, steps: int, warmup: int = 1) -> float:
     """Train the reference for `steps` steps of R*B sequences of T tokens (after `warmup`
     untimed steps) and return tokens per second. Deterministic given `config.seed`."""

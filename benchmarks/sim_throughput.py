@@ -8,7 +8,8 @@ jsonl with fsync, checkpoints, exactly what `crucible run` does - for each arm:
 - `skip_p0.2`: codec `none`, `skip` strategy at failure probability 0.2 (duration from the preset);
 
 and the plain reference (`benchmarks/reference.py`: one model, one AdamW, R*B sequences of T
-tokens per step, the same number of steps) in the same process. By default the reference is
+tokens per step, the same number of steps, and, interleaved, the same evaluations of the same
+held-out windows) in the same process. By default the reference is
 interleaved inside each Crucible run - H reference steps after every global step, timed apart and
 taken out of the run's wall time - so a change in machine speed (this machine is shared) hits
 both sides of a pair alike; `--separate` alternates whole runs instead, as the first version of
@@ -109,6 +110,20 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
         trainer = Trainer(config, store=LocalStore(Path(tmp) / "store"), run_key="bench",
                           callback=sink)
         timings = _instrument(trainer) if phases else {}
+        if reference is not None:
+            # the reference scores the same held-out windows whenever the trainer does: both
+            # sides then do the same work, training and evaluation
+            crucible_evaluate = trainer.evaluate
+
+            def evaluate_both() -> float:
+                nonlocal ref_s
+                value = crucible_evaluate()
+                started = time.perf_counter()
+                reference.evaluate(trainer.validation)  # type: ignore[union-attr]
+                ref_s += time.perf_counter() - started
+                return value
+
+            trainer.evaluate = evaluate_both  # type: ignore[method-assign]
         start = time.perf_counter()
         summary = trainer.run(on_step=interleave if reference is not None else None)
         elapsed = time.perf_counter() - start - ref_s

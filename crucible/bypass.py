@@ -19,8 +19,8 @@ import torch
 
 from crucible.config import Config, ConfigError
 
-__all__ = ["save_global_weights", "load_global_weights", "bypass_damage", "DECODE_OPTIONS",
-           "MODEL_FILE", "MAX_MODEL_BYTES"]
+__all__ = ["save_global_weights", "load_global_weights", "bypass_damage", "evaluate_run",
+           "DECODE_OPTIONS", "MODEL_FILE", "MAX_MODEL_BYTES"]
 
 MODEL_FILE = "model.pt"
 MAX_MODEL_BYTES = 8 << 30          # a 178M fp32 model is 0.7 GB; refuse anything absurd
@@ -71,6 +71,46 @@ def _config_of(run_dir: Path) -> Config:
         raise ConfigError(f"{path} has no valid config: {exc}") from None
 
 
+def _trained(run: Path, eval_tokens: int | None, scratch: str):
+    """A Trainer holding the run's final global weights in every replica."""
+    from crucible.config import apply_overrides
+    from crucible.events import MultiCallback
+    from crucible.store import open_store
+    from crucible.train import Trainer
+
+    config = _config_of(run)
+    weights = load_global_weights(run / MODEL_FILE)
+    if eval_tokens is not None:
+        config = apply_overrides(config, {"train.eval_tokens": eval_tokens})
+    trainer = Trainer(config, store=open_store(Path(scratch).resolve().as_uri()),
+                      run_key="rescore", callback=MultiCallback())
+    if len(weights) != trainer.S:
+        raise ConfigError(f"{run / MODEL_FILE} has {len(weights)} stages, the config {trainer.S}")
+    for s, w in enumerate(weights):
+        trainer.model.set_stage(s, {n: t.to(trainer.device) for n, t in w.items()})
+    return trainer
+
+
+@torch.no_grad()
+def evaluate_run(run_dir: str | os.PathLike[str], *,
+                 eval_tokens: int | None = None) -> dict[str, Any]:
+    """Re-score a finished run's final global model: {"val_loss", "val_loss_stderr",
+    "stderr_pct" (of the loss), "eval_tokens", "eval_s"} on `eval_tokens` held-out tokens
+    (default: the run's own setting)."""
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="crucible-evaluate-") as scratch:
+        trainer = _trained(Path(run_dir), eval_tokens, scratch)
+        started = time.perf_counter()
+        loss = trainer.evaluate()
+        elapsed = time.perf_counter() - started
+    stderr = trainer.last_eval_stderr
+    return {"val_loss": loss, "val_loss_stderr": stderr,
+            "stderr_pct": None if stderr is None else 100 * stderr / loss,
+            "eval_tokens": sum(int(t.numel()) for _, t in trainer.validation),
+            "eval_s": elapsed}
+
+
 @torch.no_grad()
 def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = None,
                   options: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -79,24 +119,9 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
     codecs have one way to bypass). Returns {"config", "eval_tokens", "intact", "rows": [{stage,
     decode, val_loss, damage_pct, damage_stderr_pct}]}; damage is paired (same windows), its
     standard error taken over windows."""
-    from crucible.events import MultiCallback
-    from crucible.store import open_store
-    from crucible.train import Trainer
-
-    run = Path(run_dir)
-    config = _config_of(run)
-    weights = load_global_weights(run / MODEL_FILE)
-    if eval_tokens is not None:
-        from crucible.config import apply_overrides
-        config = apply_overrides(config, {"train.eval_tokens": eval_tokens})
-    with tempfile.TemporaryDirectory(dir=run) as scratch:
-        trainer = Trainer(config, store=open_store(Path(scratch).resolve().as_uri()),
-                          run_key="bypass-damage", callback=MultiCallback())
-        if len(weights) != trainer.S:
-            raise ConfigError(f"{run / MODEL_FILE} has {len(weights)} stages, the config "
-                              f"{trainer.S}")
-        for s, w in enumerate(weights):
-            trainer.model.set_stage(s, {n: t.to(trainer.device) for n, t in w.items()})
+    with tempfile.TemporaryDirectory(prefix="crucible-bypass-") as scratch:
+        trainer = _trained(Path(run_dir), eval_tokens, scratch)
+        config = trainer.config
         intact = trainer.window_losses()
         kinds = options or (DECODE_OPTIONS if config.pipeline.compression == "mapl" else ("-",))
         rows = []

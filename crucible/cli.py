@@ -82,7 +82,6 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
 
     try:
         config = apply_overrides(get_preset(preset), overrides)
-        _warn_about_corpus(config)
         from crucible.train import TrainingDiverged, train
 
         summary = train(config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty())
@@ -90,28 +89,77 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         raise _fail(str(exc)) from None
     except TrainingDiverged as exc:
         raise _fail(str(exc), code=1) from None
-    typer.echo(f"initial val loss {summary['initial_val_loss']:.4f} -> final "
-               f"{summary['final_val_loss']:.4f} in {summary['wall_s']:.1f} s; "
+    initial = summary["initial_val_loss"]
+    start = "" if initial is None else f"initial val loss {initial:.4f} -> "
+    stderr = summary["val_loss_stderr"]
+    spread = "" if stderr is None else f" (+- {stderr:.4f} s.e.)"
+    typer.echo(f"{start}final val loss {summary['final_val_loss']:.4f}{spread} "
+               f"in {summary['wall_s']:.1f} s; "
                f"{summary['tokens_processed']} tokens")
     typer.echo(f"summary: {out / 'summary.json'}")
 
 
-def _warn_about_corpus(config) -> None:  # noqa: ANN001 - Config, imported lazily
-    from crucible.corpus import CorpusMissingError, default_corpus_path
-    from crucible.presets import tokens_per_global_step
+@app.command("evaluate")
+def evaluate_cmd(
+        run_dir: Path = typer.Argument(..., help="the --out folder of a finished `crucible run`"),
+        eval_tokens: int | None = typer.Option(None, "--eval-tokens",
+                                               help="held-out tokens to score (0 = the whole "
+                                                    "held-out split; default: the run's own)"),
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+        ) -> None:
+    """Re-score a finished run's final model on the held-out set: loss, its standard error,
+    tokens scored and seconds taken."""
+    _setup_logging()
+    from crucible.bypass import evaluate_run
+    from crucible.config import ConfigError
 
-    if config.data.path is not None:
-        return
+    if eval_tokens is not None and eval_tokens < 0:
+        raise _fail(f"--eval-tokens must be >= 0 (0 scores the whole held-out split), got "
+                    f"{eval_tokens}")
     try:
-        corpus = default_corpus_path().stat().st_size   # byte-level: one token per byte
-    except CorpusMissingError:
-        return   # training itself reports the missing corpus with the fix
-    tokens = tokens_per_global_step(config) * config.train.global_steps
-    if tokens > 20 * corpus:
-        logging.getLogger("crucible").warning(
-            "preset %s consumes %.1fB tokens but the default corpus has %.1fM: the data repeats "
-            "about %dx. Set data.path to your own corpus (.bin shards, nanoGPT layout) for a "
-            "meaningful run.", config.preset, tokens / 1e9, corpus / 1e6, tokens // corpus)
+        result = evaluate_run(run_dir, eval_tokens=eval_tokens)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    spread = ("" if result["val_loss_stderr"] is None else
+              f" +- {result['val_loss_stderr']:.5f} s.e. ({result['stderr_pct']:.3f}% of it)")
+    typer.echo(f"{run_dir}: val loss {result['val_loss']:.4f}{spread} on "
+               f"{result['eval_tokens']} held-out tokens in {result['eval_s']:.1f} s")
+
+
+@app.command("bypass-damage")
+def bypass_damage_cmd(
+        run_dir: Path = typer.Argument(..., help="the --out folder of a finished `crucible run`"),
+        eval_tokens: int | None = typer.Option(None, "--eval-tokens",
+                                               help="held-out tokens to score (default: the "
+                                                    "run's train.eval_tokens)"),
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+        ) -> None:
+    """Instant damage of skipping each inner stage of a trained model (forward only), for every
+    way the next stage can read the bypassed message (MAPL: identity, sender, receiver)."""
+    _setup_logging()
+    from crucible.bypass import bypass_damage
+    from crucible.config import ConfigError
+
+    if eval_tokens is not None and eval_tokens < 0:
+        raise _fail(f"--eval-tokens must be >= 0 (0 scores the whole held-out split), got "
+                    f"{eval_tokens}")
+    try:
+        result = bypass_damage(run_dir, eval_tokens=eval_tokens)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    codec = result["config"]["pipeline"]["compression"]
+    typer.echo(f"{run_dir}: codec {codec}, intact val loss {result['intact']:.4f} on "
+               f"{result['eval_tokens']} held-out tokens")
+    typer.echo("stage  decode     val loss   damage (+- 1 s.e.)")
+    for row in result["rows"]:
+        typer.echo(f"{row['stage']:>5}  {row['decode']:<9} {row['val_loss']:9.4f}   "
+                   f"{row['damage_pct']:+7.2f}% (+- {row['damage_stderr_pct']:.2f})")
 
 
 def _register_packages() -> None:
@@ -119,6 +167,9 @@ def _register_packages() -> None:
 
     for module in ("api.cli", "flows.cli", "dashboards.cli"):
         importlib.import_module(module).register(app)
+    from crucible.study import register as register_study  # crucible study run|render
+
+    register_study(app)
 
 
 def main() -> None:

@@ -162,9 +162,14 @@ class ReplicatedPipeline(nn.Module):
         if self.kind != "mapl":
             return None
         basis = params[stage - 1]["basis"]
-        if (bypass is None or stage < 2 or self.bypass_decode != "sender"
-                or not bypass[:, stage - 1].any()):
+        if bypass is None or stage < 2 or not bypass[:, stage - 1].any():
+            return basis
+        skipped = bypass[:, stage - 1][:, None, None]
+        if self.bypass_decode == "identity":
+            # the message was re-expressed in the skipped stage's basis, which decodes it here:
+            # that stage is down and takes no gradient
+            return torch.where(skipped, basis.detach(), basis)
+        if self.bypass_decode != "sender":
             return basis
         # the message skipped stage-1: it is still in the coordinates of boundary stage-2
-        skipped = bypass[:, stage - 1][:, None, None]
         return torch.where(skipped, params[stage - 2]["basis"], basis)

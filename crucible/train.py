@@ -307,7 +307,8 @@ class Trainer:
         window_losses = self.window_losses()
         self.last_window_losses = window_losses
         n = window_losses.numel()
-        self.last_eval_stderr = (float(window_losses.std() / n ** 0.5) if n > 1 else float("nan"))
+        # one window has no spread to measure: None (summary.json stays strict JSON)
+        self.last_eval_stderr = float(window_losses.std() / n ** 0.5) if n > 1 else None
         return float(window_losses.mean())
 
     @torch.no_grad()

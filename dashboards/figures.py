@@ -261,11 +261,17 @@ def _legend_below(fig: go.Figure) -> None:
 
 # --- the fault timeline -----------------------------------------------------------------------
 
+# Mitigations are keyed like the strategies: "skip" is a stage that was bypassed (under `skip`, or
+# under `reroute` when no healthy donor was left), "drop"/"drop_extend" a replica whose tokens
+# were dropped, "reroute" a replica whose micro-batches went through a donor's stage.
 _MITIGATION_LABEL = {"skip": "stage skipped (bypass)", "drop": "tokens dropped",
                      "drop_extend": "tokens dropped, run extended",
                      "reroute": "rerouted via donor replica"}
 _MITIGATION_COLOR = {"skip": "#0072B2", "drop": "#D55E00", "drop_extend": "#E69F00",
                      "reroute": "#009E73"}
+# when one step of a stage-replica has several mitigation events (a registry written before each
+# step got exactly one: a reroute was logged as reroute + bypass), the first of these wins
+_MITIGATION_RANK = {"reroute": 0, "drop": 1, "drop_extend": 1, "skip": 2}
 _EVENT_MARKERS = {  # kind -> (legend label, symbol, colour)
     "contribution_missing": ("contribution missing", "x-thin-open", "#555555"),
     "contribution_rejected": ("contribution rejected", "x", "#CC79A7"),
@@ -274,43 +280,106 @@ _EVENT_MARKERS = {  # kind -> (legend label, symbol, colour)
 }
 _MARKER_OFFSET = 0.42  # markers sit just above a replica's bar, clear of its stage label
 
+Done = tuple[str, Any]  # (mitigation, donor replica or None)
 
-def _mitigation(fault: Mapping[str, Any], bypasses: Sequence[Mapping[str, Any]],
-                default: str) -> str:
-    """The strategy a bypass event recorded inside the fault's window, else the run's."""
+
+def _step_mitigation(event: Mapping[str, Any]) -> Done | None:
+    """What one event says was done about a down stage-replica at its step; None for other kinds.
+
+    The trainer logs exactly one per down stage-replica and global step: `bypass` (the stage was
+    skipped), `drop` (the replica's tokens were dropped; detail.strategy tells drop_extend) or
+    `reroute` (detail.donor's stage carried the replica's micro-batches).
+    """
+    kind, detail = event.get("kind"), event.get("detail") or {}
+    strategy = detail.get("strategy") if isinstance(detail, Mapping) else None
+    if kind == "reroute":
+        donor = detail.get("donor") if isinstance(detail, Mapping) else None
+        return "reroute", donor if _finite(donor) else None
+    if kind == "drop":
+        return ("drop_extend" if strategy == "drop_extend" else "drop"), None
+    if kind == "bypass":
+        # registries written before `drop` events existed logged a drop run's down stages as bypass
+        return (str(strategy) if strategy in ("drop", "drop_extend") else "skip"), None
+    return None
+
+
+def _mitigations(events: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, Any], dict[Any, Done]]:
+    """(replica, stage) -> global step -> what was done, from the run's mitigation events."""
+    out: dict[tuple[Any, Any], dict[Any, Done]] = defaultdict(dict)
+    for event in events:
+        done, step = _step_mitigation(event), event.get("global_step")
+        if done is None or event.get("replica") is None or not _finite(step):
+            continue
+        steps = out[(event["replica"], event.get("stage"))]
+        if step not in steps or _MITIGATION_RANK[done[0]] < _MITIGATION_RANK[steps[step][0]]:
+            steps[step] = done
+    return out
+
+
+def _fault_segments(fault: Mapping[str, Any],
+                    mitigations: Mapping[tuple[Any, Any], dict[Any, Done]],
+                    default: str) -> list[dict[str, Any]]:
+    """The fault's window cut into runs of steps with the same mitigation and donor.
+
+    Each step takes what its event says was done (an event without a stage matches any stage of
+    its replica); steps no event covers (a run still in progress, a registry without events) take
+    the run's strategy.
+    """
     start, stop = fault["start"], fault["start"] + fault["duration"]
-    for event in bypasses:
-        step = event.get("global_step")
-        if event.get("replica") == fault["replica"] and _finite(step) and start <= step < stop:
-            strategy = (event.get("detail") or {}).get("strategy")
-            if strategy:
-                return str(strategy)
-    return default
+    by_step = {**mitigations.get((fault["replica"], None), {}),
+               **mitigations.get((fault["replica"], fault["stage"]), {})}
+    pieces: list[tuple[Any, Any, Done]] = []
+    cursor = start
+    for step in sorted(s for s in by_step if start <= s < stop):
+        if step > cursor:
+            pieces.append((cursor, step, (default, None)))
+        cursor = min(step + 1, stop)
+        pieces.append((step, cursor, by_step[step]))
+    if cursor < stop or not pieces:
+        pieces.append((cursor, stop, (default, None)))
+    segments: list[dict[str, Any]] = []
+    for begin, end, (mitigation, donor) in pieces:
+        last = segments[-1] if segments else None
+        if last and last["end"] == begin and (last["mitigation"], last["donor"]) == (
+                mitigation, donor):
+            last["end"] = end
+            continue
+        segments.append({"replica": fault["replica"], "stage": fault["stage"], "start": begin,
+                         "end": end, "mitigation": mitigation, "donor": donor})
+    return segments
+
+
+def _segment_text(segment: Mapping[str, Any]) -> str:
+    text = f"stage {segment['stage']}"
+    return text + (f" via replica {segment['donor']}" if segment["donor"] is not None else "")
 
 
 def _fault_bars(faults: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]],
                 strategy: str) -> list[go.Bar]:
-    bypasses = [e for e in events if e.get("kind") == "bypass"]
-    by_mitigation: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    mitigations = _mitigations(events)
+    by_mitigation: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for fault in faults:
-        by_mitigation[_mitigation(fault, bypasses, strategy)].append(fault)
+        for segment in _fault_segments(fault, mitigations, strategy):
+            by_mitigation[segment["mitigation"]].append(segment)
     bars = []
     for mitigation in sorted(by_mitigation, key=lambda m: _group_order(("", m))):
         group = by_mitigation[mitigation]
         bars.append(go.Bar(
             orientation="h", name=f"stage down: {_MITIGATION_LABEL.get(mitigation, mitigation)}",
-            y=[f["replica"] for f in group], x=[f["duration"] for f in group],
-            base=[f["start"] for f in group], width=0.6,
-            text=[f"stage {f['stage']}" for f in group], textposition="inside",
+            y=[g["replica"] for g in group], x=[g["end"] - g["start"] for g in group],
+            base=[g["start"] for g in group], width=0.6,
+            text=[_segment_text(g) for g in group], textposition="inside",
             insidetextanchor="middle", textfont={"color": "white", "size": 12},
             marker={"color": _MITIGATION_COLOR.get(mitigation, OKABE_ITO[-1]),
                     "pattern": {"shape": STRATEGY_PATTERN.get(mitigation, ""),
                                 "fgcolor": "white", "fgopacity": 0.55, "size": 8},
                     "line": {"color": "white", "width": 1}},
-            customdata=[[f["stage"], f["start"], f["start"] + f["duration"]] for f in group],
+            customdata=[[g["stage"], g["start"], g["end"],
+                         "" if g["donor"] is None else f"<br>through donor replica {g['donor']}"]
+                        for g in group],
             hovertemplate=("replica %{y}, stage %{customdata[0]} down<br>global steps "
-                           "%{customdata[1]} to %{customdata[2]}<extra>" + mitigation
-                           + "</extra>"),
+                           "%{customdata[1]} to %{customdata[2]}%{customdata[3]}<extra>"
+                           + _MITIGATION_LABEL.get(mitigation, mitigation) + "</extra>"),
         ))
     return bars
 
@@ -340,9 +409,11 @@ def fault_timeline(*, faults: Sequence[Mapping[str, Any]], events: Sequence[Mapp
                    global_steps: int | None = None) -> go.Figure:
     """Replica x global step: each failure a horizontal bar on a step axis, labelled by stage.
 
-    Input: the run summary's faults [{replica, stage, start, duration}], the run's events (bypass
-    events say which strategy handled a failure; rejoin, contribution_missing/rejected and reroute
-    become markers) and the run's strategy. Bar colour and fill pattern name the mitigation.
+    Input: the run summary's faults [{replica, stage, start, duration}], the run's events and the
+    run's strategy. Each down step's bypass / drop / reroute event says what was done, so a bar is
+    cut where that changes (a reroute whose donor fails, then a bypass); colour and fill pattern
+    name the mitigation, a rerouted bar names its donor. Steps without such an event take the run's
+    strategy. Rejoin, contribution_missing/rejected and reroute events also become markers.
     """
     title = "Fault timeline: which stage was down, when, and how the replica coped"
     valid = [f for f in faults if all(_finite(f.get(k)) for k in ("replica", "stage", "start",

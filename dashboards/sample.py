@@ -113,16 +113,27 @@ def runs(*, seeds: int = 2, finished: bool = True, arms: tuple[str, ...] = ARMS,
     return out
 
 
+# what the trainer logs for each down stage-replica and global step, per strategy
+_MITIGATION_EVENT = {"skip": "bypass", "drop": "drop", "drop_extend": "drop", "reroute": "reroute"}
+
+
 def events(*, strategy: str = "skip") -> list[dict[str, Any]]:
-    """Events of the run whose faults are `summary(p>0)`'s: failure, bypass, missing, rejoin."""
+    """Events of the run whose faults are `summary(p>0)`'s, as the trainer logs them: failure_start,
+    then per down step what was done (bypass under skip, drop under drop/drop_extend, reroute via
+    a donor replica under reroute) and contribution_missing, then rejoin."""
+    kind = _MITIGATION_EVENT[strategy]
     rows: list[dict[str, Any]] = []
     for replica, stage, start in ((1, 1, 3), (3, 2, 10)):
         rows.append({"id": f"failure_start:{start}:{replica}:{stage}:0", "kind": "failure_start",
-                     "global_step": start, "replica": replica, "stage": stage, "detail": {}})
-        rows.append({"id": f"bypass:{start}:{replica}:{stage}:0", "kind": "bypass",
                      "global_step": start, "replica": replica, "stage": stage,
-                     "detail": {"strategy": strategy}})
+                     "detail": {"duration": 6, "strategy": strategy}})
         for step in range(start, start + 6):
+            detail: dict[str, Any] = {"strategy": strategy}
+            if kind == "reroute":
+                detail["donor"] = (replica + 1) % 4
+            rows.append({"id": f"{kind}:{step}:{replica}:{stage}:0", "kind": kind,
+                         "global_step": step, "replica": replica, "stage": stage,
+                         "detail": detail})
             rows.append({"id": f"contribution_missing:{step}:{replica}:{stage}:0",
                          "kind": "contribution_missing", "global_step": step,
                          "replica": replica, "stage": stage, "detail": {}})

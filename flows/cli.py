@@ -3,7 +3,8 @@
 - `crucible sweep [--preset smoke] [--arm ssn --arm mapl] [--strategy skip ...] [--p 0.1 ...]
   [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--demo]`: runs the
   `failure-sweep` flow on the embedded stack (ephemeral Prefect, SQLite registry, local store),
-  prints the robustness table and, as its last line, `report: PATH` (the offline dashboard).
+  prints the robustness table (one-seed cells marked against the study's noise floor), a
+  pointer to docs/RESULTS.md and, as its last line, `report: PATH` (the offline dashboard).
   Exit 2 for a bad option (the message names it), 1 when some cells failed (the report is still
   written), 0 otherwise.
 - `crucible deploy [--pool NAME [--image IMG] [--source PATH]] [--limit N]`: creates the
@@ -41,26 +42,57 @@ def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
         raise typer.Exit(code=2) from None
 
 
+RESULTS_POINTER = ("the study's numbers, with 95% intervals over seeds: docs/RESULTS.md "
+                   "(`crucible study render studies/table1.toml`)")
+
+
+def _cell_text(cell: dict[str, Any] | None, p: float, floor: float | None) -> str:
+    """One cell of the demo's table: the interval when there is one; a one-seed value is
+    marked against the noise floor the study measured (or as having no interval)."""
+    if cell is None:
+        return "-"
+    if p == 0:
+        return "0 (baseline)"
+    mean = cell["mean_pct"]
+    if cell["ci_low_pct"] is not None:
+        return f"{mean:+.2f}% [{cell['ci_low_pct']:+.2f}, {cell['ci_high_pct']:+.2f}]"
+    if floor is None:
+        return f"{mean:+.2f}% (1 seed, no interval)"
+    if abs(mean) < floor:
+        return f"{mean:+.2f}% (1 seed; below noise ±{floor:.1f})"
+    return f"{mean:+.2f}% (1 seed; noise ±{floor:.1f})"
+
+
+def _caption(one_seed: bool, floor: float | None) -> str | None:
+    if not one_seed:
+        return None
+    if floor is None:
+        return ("1 seed: no interval, and no noise floor to compare with (the failure study's "
+                "results/table1 is absent); see docs/RESULTS.md")
+    return (f"1 seed: no interval. ±{floor:.1f} points is the noise floor the failure study "
+            "measured for a one-seed value (docs/RESULTS.md); a value below it cannot be told "
+            "from 0")
+
+
 def _print_table(table: dict[str, Any], title: str) -> None:
-    """The Table-1 shape: one row per p, one column per arm/strategy, mean % (95% interval)."""
+    """The Table-1 shape: one row per p, one column per arm/strategy, mean % (95% interval).
+    One-seed cells have no interval: they are marked against the noise floor that the
+    committed failure study measured (crucible.study.noise_floor)."""
     from rich.console import Console
     from rich.table import Table
 
-    view = Table(title=title)
+    from crucible import study
+
+    one_seed = any(cell is not None and cell["ci_low_pct"] is None and row["p"] != 0
+                   for row in table["rows"] for cell in row["cells"].values())
+    floor = study.noise_floor() if one_seed else None
+    view = Table(title=title, caption=_caption(one_seed, floor))
     view.add_column("p")
     for column in table["columns"]:
         view.add_column(str(column), justify="right")
     for row in table["rows"]:
-        cells = []
-        for column in table["columns"]:
-            cell = row["cells"].get(column)
-            if cell is None:
-                cells.append("-")
-            elif cell["ci_low_pct"] is None:
-                cells.append(f"{cell['mean_pct']:+.2f}%")
-            else:
-                cells.append(f"{cell['mean_pct']:+.2f}% [{cell['ci_low_pct']:+.2f}, "
-                             f"{cell['ci_high_pct']:+.2f}]")
+        cells = [_cell_text(row["cells"].get(column), row["p"], floor)
+                 for column in table["columns"]]
         view.add_row(f"{row['p']:g}", *cells)
     Console().print(view)
 
@@ -108,6 +140,7 @@ def sweep(
     _print_table(result.table, f"{spec.name}: val-loss increase (%) vs p=0 [95% CI]")
     if result.message:
         typer.echo(f"some cells failed: {result.message}", err=True)
+    typer.echo(RESULTS_POINTER)
     typer.echo(f"report: {result.report_path}")
     if result.outcome is None:
         raise typer.Exit(code=1)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.schemas import (
+    EVENT_KIND_HELP,
     BatchResult,
     Compression,
     EventBatch,
@@ -106,7 +107,10 @@ def read_metrics(run_id: uuid.UUID, session: SessionDep, name: MetricName | None
 
 
 @router.get("/{run_id}/events", response_model=Page[EventPublic], dependencies=[ReadAuthDep])
-def read_events(run_id: uuid.UUID, session: SessionDep, kind: EventKind | None = None,
+def read_events(run_id: uuid.UUID, session: SessionDep,
+                kind: Annotated[EventKind | None,
+                                Query(description="Only events of this kind. " + EVENT_KIND_HELP)
+                                ] = None,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
                 cursor: Cursor = None) -> Page[EventPublic]:
     """A run's events in global-step order, keyset-paginated."""

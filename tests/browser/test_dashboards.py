@@ -161,6 +161,24 @@ def test_sweep_page_served_by_the_api_renders_every_figure(
     _screenshot(browser_page, artifacts_dir / "dashboard-run.png")
 
 
+def test_drop_run_timeline_shows_dropped_tokens_and_no_bypass(
+        served: Served, full_sweep: str, browser_page: Any, artifacts_dir: Path) -> None:
+    headers = {"Authorization": f"Bearer {served.token}"}
+    with httpx.Client(base_url=served.url, headers=headers, timeout=30) as client:
+        (run, *_) = client.get("/api/v1/runs", params={"sweep_id": full_sweep, "strategy": "drop",
+                                                       "p": 0.2}).json()["items"]
+        kinds = [e["kind"] for e in client.get(f"/api/v1/runs/{run['id']}/events").json()["items"]]
+        bypassed = client.get(f"/api/v1/runs/{run['id']}/events", params={"kind": "bypass"})
+    assert bypassed.json()["items"] == [] and kinds.count("drop") == 12 and "bypass" not in kinds
+    page = browser_page.page
+    page.goto(f"{served.url}/dashboards/runs/{run['id']}")
+    _assert_rendered(browser_page, RUN_FIGURES)
+    bars = page.evaluate("() => document.getElementById('fig-faults').data"
+                         ".filter(t => t.type === 'bar').map(t => [t.name, t.y])")
+    assert bars == [["stage down: tokens dropped", [1, 3]]]
+    _screenshot(browser_page, artifacts_dir / "dashboard-run-drop.png")
+
+
 def test_running_sweep_and_missing_baseline_show_clear_messages(
         served: Served, browser_page: Any, artifacts_dir: Path) -> None:
     api_server = served

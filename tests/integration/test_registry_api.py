@@ -115,17 +115,29 @@ def test_metrics_and_events_round_trip(registry):
     metrics += [Metric("val_loss", step, 2.5 - step / 10).to_dict() for step in range(5)]
     events = [Event("failure_start", 1, replica=0, stage=1, detail={"duration": 6}).to_dict(),
               Event("bypass", 2, replica=0, stage=1).to_dict(),
+              Event("drop", 3, replica=1, stage=2, detail={"strategy": "drop"}).to_dict(),
+              Event("reroute", 4, replica=0, stage=1,
+                    detail={"strategy": "reroute", "donor": 1}).to_dict(),
               Event("rejoin", 7, replica=0, stage=1).to_dict()]
     m = registry.post(f"{V1}/runs/{run['id']}/metrics:batch", json={"items": metrics}).json()
     e = registry.post(f"{V1}/runs/{run['id']}/events:batch", json={"items": events}).json()
-    assert m == {"received": 15, "inserted": 15} and e == {"received": 3, "inserted": 3}
+    assert m == {"received": 15, "inserted": 15} and e == {"received": 5, "inserted": 5}
     val = registry.get(f"{V1}/runs/{run['id']}/metrics", params={"name": "val_loss"}).json()
     assert [(x["global_step"], x["value"], x["replica"]) for x in val["items"]] == \
         [(s, pytest.approx(2.5 - s / 10), None) for s in range(5)]
     allm = registry.get(f"{V1}/runs/{run['id']}/metrics", params={"limit": 6}).json()
     assert len(allm["items"]) == 6 and allm["next_cursor"]
     bypass = registry.get(f"{V1}/runs/{run['id']}/events", params={"kind": "bypass"}).json()
-    assert bypass["items"] == [{**events[1], "detail": {}}]
+    assert bypass["items"] == [{**events[1], "detail": {}}]   # neither the drop nor the reroute
+    for kind, expected in (("drop", events[2]), ("reroute", events[3])):
+        page = registry.get(f"{V1}/runs/{run['id']}/events", params={"kind": kind}).json()
+        assert page["items"] == [expected]
+    unknown = registry.get(f"{V1}/runs/{run['id']}/events", params={"kind": "dropped"})
+    assert unknown.status_code == 422
+    spec = registry.get("/openapi.json").json()
+    (kind,) = [q for q in spec["paths"][f"{V1}/runs/{{run_id}}/events"]["get"]["parameters"]
+               if q["name"] == "kind"]
+    assert "drop (the replica's tokens were dropped)" in kind["description"]
     every = registry.get(f"{V1}/runs/{run['id']}/events").json()["items"]
     assert [x["id"] for x in every] == [x["id"] for x in events]
     assert every[0]["detail"] == {"duration": 6}

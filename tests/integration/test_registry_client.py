@@ -109,3 +109,62 @@ def test_torn_spool_tail_is_dropped_and_order_kept(api_server, client, tmp_path)
     resumed.close()
     metrics, _ = _stored(client, run_id)
     assert metrics == _expected(range(6))
+
+
+# replica 0's stage 1 is down at steps 0-1, replica 1's at 1-2: at step 1 both are down, so a
+# reroute has no healthy donor left and that step's stage is bypassed
+_BOTH_DOWN_AT_STEP_1 = [{"replica": 0, "stage": 1, "start": 0, "duration": 2},
+                        {"replica": 1, "stage": 1, "start": 1, "duration": 2}]
+_DONE = {  # strategy -> (global step, replica) -> (kind, detail) of the one event for that step
+    "drop": {(0, 0): ("drop", {"strategy": "drop"}), (1, 0): ("drop", {"strategy": "drop"}),
+             (1, 1): ("drop", {"strategy": "drop"}), (2, 1): ("drop", {"strategy": "drop"})},
+    "reroute": {(0, 0): ("reroute", {"strategy": "reroute", "donor": 1}),
+                (1, 0): ("bypass", {"strategy": "reroute"}),
+                (1, 1): ("bypass", {"strategy": "reroute"}),
+                (2, 1): ("reroute", {"strategy": "reroute", "donor": 0})},
+}
+_BARS = {  # strategy -> timeline bar name -> [(replica, first step, steps, text)]
+    "drop": {"stage down: tokens dropped": [(0, 0, 2, "stage 1"), (1, 1, 2, "stage 1")]},
+    "reroute": {"stage down: stage skipped (bypass)": [(0, 1, 1, "stage 1"), (1, 1, 1, "stage 1")],
+                "stage down: rerouted via donor replica": [(0, 0, 1, "stage 1 via replica 1"),
+                                                           (1, 2, 1, "stage 1 via replica 0")]},
+}
+
+
+@pytest.mark.parametrize("strategy", ["drop", "reroute"])
+def test_a_training_run_reports_what_was_done_about_each_down_stage(client, tmp_path, strategy):
+    """A real (tiny) training run reporting through the client: one event per down stage-replica
+    and step, of the kind that says what was done; the registry's kind filter and the dashboard's
+    fault timeline built from the stored events agree."""
+    from crucible.config import apply_overrides
+    from crucible.faults import FaultPlan
+    from crucible.presets import get_preset
+    from crucible.train import train
+    from dashboards import figures
+
+    config = apply_overrides(get_preset("smoke"), {
+        "model.d_model": 32, "model.layers": 4, "model.heads": 2, "model.seq_len": 16,
+        "replicas": 2, "train.batch_size": 2, "sparseloco.inner_steps": 2,
+        "train.global_steps": 3, "train.eval_every": 3, "train.warmup_steps": 2,
+        "faults.strategy": strategy, "faults.p": 0.01})
+    run_id = client.create_run(config.to_dict())["id"]
+    callback = ApiCallback(client, run_id, tmp_path / "spool", flush_interval_s=0.0)
+    summary = train(config, out_dir=tmp_path / "out", callback=callback,
+                    plan=FaultPlan.from_list(_BOTH_DOWN_AT_STEP_1))
+
+    events = client.list_events(run_id)
+    done = {(e["global_step"], e["replica"]): (e["kind"], e["detail"]) for e in events
+            if e["kind"] in ("bypass", "drop", "reroute")}
+    assert done == _DONE[strategy]
+    assert sum(e["kind"] in ("bypass", "drop", "reroute") for e in events) == len(done)
+    bypassed = [(e["global_step"], e["replica"]) for e in client.list_events(run_id, kind="bypass")]
+    assert bypassed == ([] if strategy == "drop" else [(1, 0), (1, 1)])
+    for kind in ("drop", "reroute"):
+        assert {(e["global_step"], e["replica"]) for e in client.list_events(run_id, kind=kind)} \
+            == {key for key, (k, _) in _DONE[strategy].items() if k == kind}
+
+    fig = figures.fault_timeline(faults=summary["faults"], events=events, strategy=strategy,
+                                 replicas=2, global_steps=3)
+    bars = {t.name: sorted(zip(t.y, t.base, t.x, t.text, strict=True)) for t in fig.data
+            if t.type == "bar"}
+    assert bars == _BARS[strategy]

@@ -176,24 +176,94 @@ def test_fault_timeline_is_horizontal_bars_on_a_step_axis() -> None:
     assert markers == {"contribution missing", "stage rejoined (state reset)"}
 
 
-def test_fault_timeline_shows_mitigations_distinctly() -> None:
-    events = sample.events(strategy="skip")
-    for event in events:  # the second failure was handled by rerouting
-        if event["kind"] == "bypass" and event["replica"] == 3:
-            event["detail"] = {"strategy": "reroute"}
-    events.append({"id": "reroute:10:3:2:0", "kind": "reroute", "global_step": 10,
-                   "replica": 3, "stage": 2, "detail": {"donor": 0}})
-    fig = _timeline("skip", events)
-    bars = {t.name: t for t in fig.data if isinstance(t, go.Bar)}
-    assert set(bars) == {"stage down: stage skipped (bypass)",
-                         "stage down: rerouted via donor replica"}
-    skip, reroute = bars.values()
+def _bars(fig: go.Figure) -> dict[str, Any]:
+    return {t.name: t for t in fig.data if isinstance(t, go.Bar)}
+
+
+def _mitigation_event(kind: str, step: int, replica: int, stage: int,
+                      **detail: Any) -> dict[str, Any]:
+    return {"id": f"{kind}:{step}:{replica}:{stage}:0", "kind": kind, "global_step": step,
+            "replica": replica, "stage": stage, "detail": detail}
+
+
+@pytest.mark.parametrize("strategy, kind", [("skip", "bypass"), ("drop", "drop"),
+                                            ("drop_extend", "drop"), ("reroute", "reroute")])
+def test_sample_events_log_what_each_strategy_did_once_per_down_step(strategy: str,
+                                                                     kind: str) -> None:
+    events = sample.events(strategy=strategy)
+    done = [e for e in events if e["kind"] in ("bypass", "drop", "reroute")]
+    assert {e["kind"] for e in done} == {kind}   # a drop run bypassed nothing
+    steps = [(e["replica"], e["global_step"]) for e in done]
+    assert sorted(steps) == [(1, s) for s in range(3, 9)] + [(3, s) for s in range(10, 16)]
+    assert all(("donor" in e["detail"]) == (kind == "reroute") for e in done)
+
+
+def test_fault_timeline_labels_a_drop_run_by_its_drop_events() -> None:
+    drop = _timeline("drop", sample.events(strategy="drop"))
+    (bar,) = _bars(drop).values()
+    assert bar.name == "stage down: tokens dropped"
+    assert list(bar.base) == [3, 10] and list(bar.x) == [6, 6]
+    # the events, not the run's strategy argument, say what was done
+    events = [e for e in sample.events(strategy="drop") if e["replica"] == 1]
+    events += [e for e in sample.events(strategy="skip") if e["replica"] == 3]
+    bars = _bars(_timeline("skip", events))
+    assert set(bars) == {"stage down: tokens dropped", "stage down: stage skipped (bypass)"}
+    assert list(bars["stage down: tokens dropped"].y) == [1]
+    assert list(bars["stage down: stage skipped (bypass)"].y) == [3]
+    extend = _timeline("drop_extend", sample.events(strategy="drop_extend"))
+    assert [t.name for t in extend.data if isinstance(t, go.Bar)] == \
+        ["stage down: tokens dropped, run extended"]
+
+
+def test_fault_timeline_shows_the_donor_and_cuts_where_the_reroute_ran_out_of_donors() -> None:
+    events = sample.events(strategy="reroute")
+    # replica 3's donor went down too at steps 14-15: nothing left to reroute through, so bypass
+    events = [e for e in events if not (e["kind"] == "reroute" and e["replica"] == 3
+                                        and e["global_step"] >= 14)]
+    events += [_mitigation_event("bypass", s, 3, 2, strategy="reroute") for s in (14, 15)]
+    fig = _timeline("reroute", events)
+    bars = _bars(fig)
+    assert list(bars) == ["stage down: stage skipped (bypass)",
+                          "stage down: rerouted via donor replica"]
+    skip, reroute = bars["stage down: stage skipped (bypass)"], bars[
+        "stage down: rerouted via donor replica"]
+    assert list(reroute.y) == [1, 3] and list(reroute.base) == [3, 10] and list(reroute.x) == [6, 4]
+    assert list(reroute.text) == ["stage 1 via replica 2", "stage 2 via replica 0"]
+    assert "donor replica 0" in reroute.customdata[1][3]
+    assert list(skip.y) == [3] and list(skip.base) == [14] and list(skip.x) == [2]
+    assert list(skip.text) == ["stage 2"]
     assert skip.marker.color != reroute.marker.color
     assert skip.marker.pattern.shape != reroute.marker.pattern.shape
     star = next(t for t in fig.data if t.name.startswith("rerouted"))
-    assert "donor replica 0" in star.hovertext[0]
-    drop = _timeline("drop", sample.events(strategy="drop"))
-    assert drop.data[0].name == "stage down: tokens dropped"
+    assert len(star.x) == 10 and "donor replica 2" in star.hovertext[0]
+
+
+def test_fault_timeline_donor_changes_and_unknown_steps_fall_back_to_the_strategy() -> None:
+    faults = [{"replica": 1, "stage": 1, "start": 3, "duration": 6}]
+    events = [_mitigation_event("reroute", 3, 1, 1, strategy="reroute", donor=0),
+              _mitigation_event("reroute", 4, 1, 1, strategy="reroute", donor=2),
+              _mitigation_event("reroute", 5, 1, 1, strategy="reroute", donor=2),
+              _mitigation_event("drop", 5, 1, 2, strategy="drop")]  # another stage: not this fault
+    fig = figures.fault_timeline(faults=faults, events=events, strategy="reroute", replicas=4,
+                                 global_steps=20)
+    (bar,) = _bars(fig).values()
+    assert list(bar.base) == [3, 4, 6] and list(bar.x) == [1, 2, 3]
+    assert list(bar.text) == ["stage 1 via replica 0", "stage 1 via replica 2", "stage 1"]
+
+
+def test_fault_timeline_reads_registries_written_before_drop_events() -> None:
+    """Old runs logged every down stage as bypass (with the run's strategy) and a reroute as both
+    reroute and bypass: they still show what was done."""
+    down = [(1, 1, s) for s in range(3, 9)] + [(3, 2, s) for s in range(10, 16)]
+    old_drop = [_mitigation_event("bypass", s, r, st, strategy="drop") for r, st, s in down]
+    (bar,) = _bars(_timeline("skip", old_drop)).values()
+    assert bar.name == "stage down: tokens dropped" and list(bar.base) == [3, 10]
+    old_reroute = [e for r, st, s in down for e in (
+        _mitigation_event("bypass", s, r, st, strategy="reroute"),
+        _mitigation_event("reroute", s, r, st, strategy="reroute", donor=0))]
+    (bar,) = _bars(_timeline("reroute", old_reroute)).values()
+    assert bar.name == "stage down: rerouted via donor replica"
+    assert list(bar.text) == ["stage 1 via replica 0", "stage 2 via replica 0"]
 
 
 def test_fault_timeline_without_failures_says_so() -> None:

@@ -73,12 +73,13 @@ def test_failed_runs_are_reported() -> None:
     assert "1 run(s) failed" in html and 'class="status-failed"' in html
 
 
-def _run_view(p: float = 0.1, *, with_baseline: bool = True) -> dict[str, Any]:
+def _run_view(p: float = 0.1, *, with_baseline: bool = True,
+              strategy: str = "skip") -> dict[str, Any]:
     runs = sample.runs()
-    run = next(r for r in runs if r["p"] == p and r["strategy"] == "skip")
+    run = next(r for r in runs if r["p"] == p and r["strategy"] == strategy)
     base = next(r for r in runs if r["id"] == run["baseline_run_id"]) if with_baseline else None
     return {"run": run, "metrics": sample.val_loss_metrics(run["summary"]),
-            "events": sample.events(), "baseline": base, "baseline_metrics": []}
+            "events": sample.events(strategy=strategy), "baseline": base, "baseline_metrics": []}
 
 
 def test_run_page_has_loss_timeline_config_and_links() -> None:
@@ -90,6 +91,13 @@ def test_run_page_has_loss_timeline_config_and_links() -> None:
     assert f'href="/r/{view["baseline"]["id"]}"' in html
     assert "<code>train.global_steps</code> = <code>20</code>" in html
     assert "+2.50%" in html  # 2.05 vs 2.00 baseline
+
+
+def test_run_page_timeline_says_what_was_done_about_each_failure() -> None:
+    skip = pages.run_page(_run_view(), plotly_tag=_TAG)
+    assert "stage down: stage skipped (bypass)" in skip and "tokens dropped" not in skip
+    drop = pages.run_page(_run_view(strategy="drop"), plotly_tag=_TAG)
+    assert "stage down: tokens dropped" in drop and "(bypass)" not in drop
 
 
 def test_run_page_without_baseline_warns() -> None:
