@@ -1484,7 +1484,10 @@ def write_figures(figures: Mapping[str, Any], paths: Mapping[str, Path], *, scal
                                              args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
-            page.set_content(page_html)
+            # plotly.js is 4.8 MB inline: parsing it on a loaded 2-core machine can pass
+            # Playwright's 30 s default
+            page.set_default_timeout(180_000)
+            page.set_content(page_html, timeout=180_000)
             for name, fig in figures.items():
                 url = page.evaluate(script, [fig.to_json(), scale])
                 png = base64.b64decode(url.split(",", 1)[1])

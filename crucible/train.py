@@ -119,7 +119,7 @@ class Trainer:
         return summary
 
     @torch.no_grad()
-    def basis_report(self, *, windows: int = 1024) -> list[dict[str, Any]]:
+    def basis_report(self, *, windows: int = 256) -> list[dict[str, Any]]:
         """Per MAPL boundary: how far the learned (global) basis moved from its initial one
         (largest principal angle) and the share of the boundary's centred activation energy each
         keeps, on up to `windows` held-out windows through the global model."""

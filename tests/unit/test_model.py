@@ -93,8 +93,8 @@ def test_mapl_bases_stay_orthonormal_and_loss_falls_over_200_updates():
         optimizer.step(lr=3e-3, active=active)
         for s, m in momenta.items():
             basis = model.stage_params(s)["basis"]
-            boundary.stiefel_step(basis.data, basis.grad, m, lr=3e-4, beta=0.9, steps=8,
-                                  mask=active[:, s])
+            boundary.stiefel_step(basis.data, basis.grad, m, lr=3e-3 * cfg.pipeline.mapl_lr_scale,
+                                  beta=cfg.pipeline.mapl_momentum, steps=8, mask=active[:, s])
         model.zero_grad()
     last = float(model(ids, targets).detach())
     assert last < 0.5 * first
@@ -102,4 +102,6 @@ def test_mapl_bases_stay_orthonormal_and_loss_falls_over_200_updates():
     for s in range(3):
         a = model.stage_params(s)["basis"].detach()[0]
         assert float(torch.linalg.matrix_norm(a.T @ a - eye)) < 1e-4
-        assert not torch.allclose(a, boundary.initial_basis(cfg, s))  # it did train
+        # it turned: 200 SPEL steps of at most lr radians each (0.6 rad = 34 degrees in all)
+        angle = boundary.largest_angle_deg(boundary.initial_basis(cfg, s), a)
+        assert angle > 5.0   # measured 10.7-14.7 at the default scale, ~1 at the old 0.1
