@@ -99,6 +99,26 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
     typer.echo(f"summary: {out / 'summary.json'}")
 
 
+def _rescore(fn, run_dir: Path, eval_tokens: int | None,  # noqa: ANN001 - a bypass function
+             as_json: bool) -> dict | None:
+    """Run a re-scoring of a finished run (exit 2 on bad input); print JSON and return None
+    with `as_json`, else return the result for the caller's table."""
+    _setup_logging()
+    from crucible.config import ConfigError
+
+    if eval_tokens is not None and eval_tokens < 0:
+        raise _fail(f"--eval-tokens must be >= 0 (0 scores the whole held-out split), got "
+                    f"{eval_tokens}")
+    try:
+        result = fn(run_dir, eval_tokens=eval_tokens)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return None
+    return result
+
+
 @app.command("evaluate")
 def evaluate_cmd(
         run_dir: Path = typer.Argument(..., help="the --out folder of a finished `crucible run`"),
@@ -109,19 +129,10 @@ def evaluate_cmd(
         ) -> None:
     """Re-score a finished run's final model on the held-out set: loss, its standard error,
     tokens scored and seconds taken."""
-    _setup_logging()
     from crucible.bypass import evaluate_run
-    from crucible.config import ConfigError
 
-    if eval_tokens is not None and eval_tokens < 0:
-        raise _fail(f"--eval-tokens must be >= 0 (0 scores the whole held-out split), got "
-                    f"{eval_tokens}")
-    try:
-        result = evaluate_run(run_dir, eval_tokens=eval_tokens)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    result = _rescore(evaluate_run, run_dir, eval_tokens, as_json)
+    if result is None:
         return
     spread = ("" if result["val_loss_stderr"] is None else
               f" +- {result['val_loss_stderr']:.5f} s.e. ({result['stderr_pct']:.3f}% of it)")
@@ -139,19 +150,10 @@ def bypass_damage_cmd(
         ) -> None:
     """Instant damage of skipping each inner stage of a trained model (forward only), for every
     way the next stage can read the bypassed message (MAPL: identity, sender, receiver)."""
-    _setup_logging()
     from crucible.bypass import bypass_damage
-    from crucible.config import ConfigError
 
-    if eval_tokens is not None and eval_tokens < 0:
-        raise _fail(f"--eval-tokens must be >= 0 (0 scores the whole held-out split), got "
-                    f"{eval_tokens}")
-    try:
-        result = bypass_damage(run_dir, eval_tokens=eval_tokens)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    result = _rescore(bypass_damage, run_dir, eval_tokens, as_json)
+    if result is None:
         return
     codec = result["config"]["pipeline"]["compression"]
     typer.echo(f"{run_dir}: codec {codec}, intact val loss {result['intact']:.4f} on "

@@ -36,13 +36,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from crucible.summary import write_json_atomic
 
 __all__ = ["StudyError", "FigureError", "Spec", "Block", "Cell", "GridKey", "Stat", "Comparison", "Claim",
            "load_spec", "expand_cells", "completed_cells", "run_study", "load_results",
@@ -410,22 +411,6 @@ def completed_cells(spec: Spec, cells: Iterable[Cell]) -> tuple[list[Cell], list
 # The runner
 # --------------------------------------------------------------------------------------------
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def machine_description() -> str:
     """e.g. 'x86_64, 2 CPUs, Intel(R) Xeon(R) ...' (no host name)."""
     model = ""
@@ -467,7 +452,7 @@ def keep_result(spec: Spec, cell: Cell, summary: dict[str, Any], *, jobs: int) -
     kept["study"] = {"spec": spec.name, "cell": cell.id, "machine": machine_description(),
                      "jobs": jobs, "dropped_fields": dropped}
     path = result_path(spec, cell)
-    _write_json_atomic(path, kept)
+    write_json_atomic(path, kept)
     return path
 
 
