@@ -136,7 +136,9 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
                 rows.append({"stage": stage, "decode": decode,
                              "val_loss": float(losses.mean()),
                              "damage_pct": float(diff.mean()),
-                             "damage_stderr_pct": float(diff.std() / diff.numel() ** 0.5)})
+                             # one window has no spread: None keeps the JSON strict
+                             "damage_stderr_pct": (float(diff.std() / diff.numel() ** 0.5)
+                                                   if diff.numel() > 1 else None)})
     return {"config": config.to_dict(), "eval_tokens": int(sum(t.numel() for _, t in
                                                                  trainer.validation)),
             "intact": float(intact.mean()), "rows": rows}

@@ -76,6 +76,7 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         ) -> None:
     """Train one run locally (no server needed) and write OUT/summary.json."""
     _setup_logging()
+    from crucible.checkpoint import CheckpointError
     from crucible.config import ConfigError, apply_overrides
     from crucible.faults import FaultPlanError
     from crucible.presets import get_preset
@@ -87,6 +88,9 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         summary = train(config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty())
     except (ConfigError, FaultPlanError) as exc:
         raise _fail(str(exc)) from None
+    except CheckpointError as exc:
+        raise _fail(f"{exc} (a checkpoint written by an older crucible, whose config fields "
+                    "or initial weights differ, cannot be resumed either)") from None
     except TrainingDiverged as exc:
         raise _fail(str(exc), code=1) from None
     initial = summary["initial_val_loss"]
@@ -111,7 +115,7 @@ def _rescore(fn, run_dir: Path, eval_tokens: int | None,  # noqa: ANN001 - a byp
                     f"{eval_tokens}")
     try:
         result = fn(run_dir, eval_tokens=eval_tokens)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:   # ValueError: e.g. a cuda run on a CPU host
         raise _fail(str(exc)) from None
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -161,7 +165,9 @@ def bypass_damage_cmd(
     typer.echo("stage  decode     val loss   damage (+- 1 s.e.)")
     for row in result["rows"]:
         typer.echo(f"{row['stage']:>5}  {row['decode']:<9} {row['val_loss']:9.4f}   "
-                   f"{row['damage_pct']:+7.2f}% (+- {row['damage_stderr_pct']:.2f})")
+                   f"{row['damage_pct']:+7.2f}%"
+                   + ("" if row["damage_stderr_pct"] is None
+                      else f" (+- {row['damage_stderr_pct']:.2f})"))
 
 
 def _register_packages() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,35 +18,69 @@ import torch
 from crucible.config import ConfigError, DataConfig, ModelConfig
 from crucible.seeding import DATA_STREAM, generator
 
-__all__ = ["TokenData", "load_tokens", "check_token_budget"]
+__all__ = ["TokenData", "load_tokens", "count_tokens", "check_token_budget",
+           "check_config_budget"]
 
 log = logging.getLogger(__name__)
 
-def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
-    """Load the token stream named by `data.path` as a 1-D integer array."""
+def _sources(path: str | None) -> tuple[str, list[Path]]:
+    """What `data.path` names: ("bytes", [text files]) or ("bin", [uint16 shards])."""
     if path is None:
         from crucible.corpus import default_corpus_path
-        return _bytes_tokens(default_corpus_path().read_bytes())
+        return "bytes", [default_corpus_path()]
     source = Path(path).expanduser()
     if not source.exists():
         raise ConfigError(f"data.path={path!r} does not exist; point it at a text file, a folder "
                           "of .txt files or of .bin shards, or unset it for the default corpus")
     if source.is_file():
-        tokens = _bin_tokens([source]) if source.suffix == ".bin" else _bytes_tokens(source.read_bytes())
+        return ("bin" if source.suffix == ".bin" else "bytes"), [source]
+    shards = sorted(source.glob("*.bin"))
+    if shards:
+        return "bin", shards
+    texts = sorted(source.glob("*.txt"))
+    if not texts:
+        raise ConfigError(f"data.path={path!r} holds no *.bin shards and no *.txt files")
+    return "bytes", texts
+
+
+def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
+    """Load the token stream named by `data.path` as a 1-D integer array."""
+    kind, files = _sources(path)
+    if kind == "bin":
+        tokens = _bin_tokens(files)
     else:
-        shards = sorted(source.glob("*.bin"))
-        if shards:
-            tokens = _bin_tokens(shards)
-        else:
-            texts = sorted(source.glob("*.txt"))
-            if not texts:
-                raise ConfigError(f"data.path={path!r} holds no *.bin shards and no *.txt files")
-            tokens = _bytes_tokens(b"\n\n".join(p.read_bytes() for p in texts))
+        tokens = _bytes_tokens(b"\n\n".join(p.read_bytes() for p in files))
     top = int(tokens.max()) if tokens.size else 0
     if top >= vocab_size:
         raise ConfigError(f"data.path={path!r} has token id {top} >= model.vocab_size="
                           f"{vocab_size}; set model.vocab_size to at least {top + 1}")
     return tokens
+
+
+def count_tokens(path: str | None) -> int:
+    """How many tokens `load_tokens` would return, from file sizes alone (no reading)."""
+    kind, files = _sources(path)
+    sizes = [p.stat().st_size for p in files]
+    if kind == "bin":
+        return sum(size // 2 for size in sizes)
+    return sum(sizes) + 2 * (len(files) - 1)     # the "\n\n" between text files
+
+
+def check_config_budget(config: Any) -> None:  # a crucible.config.Config (no import cycle)
+    """`check_token_budget` for a config before anything runs: the training split's size comes
+    from the files' sizes, the budget from the config (ConfigError as `check_token_budget`)."""
+    from crucible.corpus import CorpusMissingError
+    from crucible.presets import tokens_per_global_step
+
+    try:
+        total = count_tokens(config.data.path)
+    except CorpusMissingError:
+        return   # training reports the missing default corpus, with its fix
+
+    n_val = max(int(total * config.data.val_fraction), config.model.seq_len + 2)
+    check_token_budget(total - n_val,
+                       budget=tokens_per_global_step(config) * config.train.global_steps,
+                       data=config.data, preset=config.preset)
 
 
 def check_token_budget(train_tokens: int, *, budget: int, data: DataConfig, preset: str) -> None:

@@ -81,6 +81,8 @@ class Trainer:
         self.plan.validate(replicas=self.R, stages=self.S)
         self.counters = RunCounters.empty(replicas=self.R, stages=self.S)
         self.next_step = 0
+        self.last_eval_stderr: float | None = None             # of the latest evaluation
+        self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
 
     def _max_steps(self) -> int:
         steps = self.config.train.global_steps
@@ -366,7 +368,7 @@ class Trainer:
         self.next_step = int(state["next_step"])
 
 
-def _versions() -> dict[str, str]:
+def _versions(device: torch.device) -> dict[str, Any]:
     import platform
 
     import crucible
@@ -375,7 +377,7 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version(), "git_sha": git_sha(),
             "host": platform.node(), "machine": platform.machine(),
             "cpu_threads": torch.get_num_threads(),
-            "device": (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")}
+            "device": (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")}
 
 
 def _run_identity(out_dir: Path, config: Config, resume: bool,
@@ -429,10 +431,10 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     finally:
         sink.flush()
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
-    if getattr(trainer, "last_window_losses", None) is not None:
+    if trainer.last_window_losses is not None:
         # per-window final losses: paired comparisons between runs on the same windows
         torch.save(trainer.last_window_losses.float(), out / "val_windows.pt")
-    summary["versions"] = _versions()
+    summary["versions"] = _versions(trainer.device)
     summary["run_key"] = run_key
     summary["store_url"] = store_url
     write_json_atomic(out / "summary.json", summary)

@@ -69,9 +69,9 @@ def _caption(one_seed: bool, floor: float | None) -> str | None:
     if floor is None:
         return ("1 seed: no interval, and no noise floor to compare with (the failure study's "
                 "results/table1 is absent); see docs/RESULTS.md")
-    return (f"1 seed: no interval. ±{floor:.1f} points is the noise floor the failure study "
-            "measured for a one-seed value (docs/RESULTS.md); a value below it cannot be told "
-            "from 0")
+    return (f"1 seed: no interval. ±{floor:.1f} points is the one-seed noise floor the failure "
+            "study measured with its own preset (docs/RESULTS.md); a shorter preset's noise is "
+            "likely larger, so a value below it cannot be told from 0")
 
 
 def _print_table(table: dict[str, Any], title: str) -> None:

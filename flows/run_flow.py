@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config, apply_overrides
+from crucible.data import check_config_budget
 from crucible.events import Callback, Event, Metric
 from crucible.presets import get_preset
 from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
@@ -52,8 +53,10 @@ def run_store_url(base: str | None, fingerprint: str) -> str | None:
 def resolve_config(preset: str, overrides: list[str], store_url: str | None = None,
                    s3_endpoint_url: str | None = None) -> Config:
     """The run's validated config: the preset, then `overrides`, then the store location
-    (which is per run, see `run_store_url`). Raises ConfigError naming the bad key."""
+    (which is per run, see `run_store_url`). Raises ConfigError naming the bad key, or when
+    the token budget needs more than one pass over the data (unless data.allow_repeat)."""
     config = apply_overrides(get_preset(preset), list(overrides))
+    check_config_budget(config)   # a budget larger than the data: refuse before anything runs
     store = run_store_url(store_url, config_fingerprint(config))
     if store is None:
         return config

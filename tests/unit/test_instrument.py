@@ -531,3 +531,49 @@ def test_cli_refuses_the_paper_preset_on_the_default_corpus_quickly(tmp_path):
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "summary.json").exists()
     assert elapsed < 20, f"took {elapsed:.1f} s: the model was probably built first"
+
+
+# ------------------------------------------------------------------------------------------------
+# Review findings: a checkpoint that cannot be resumed, the flows' early budget check, strict JSON
+# ------------------------------------------------------------------------------------------------
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "crucible.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_resume_with_an_incompatible_checkpoint_exits_2_without_a_traceback(tmp_path: Path):
+    sets = ["--set", "train.global_steps=3", "--set", "train.checkpoint_every=1",
+            "--set", "model.d_model=32", "--set", "model.layers=4", "--set", "replicas=2",
+            "--set", "train.eval_tokens=256", "--set", "sparseloco.inner_steps=1"]
+    first = _cli("run", "--preset", "smoke", "--no-progress", "--out", "r", *sets, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    # a checkpoint exists (written at steps 1 and 2); resume it under another config
+    again = _cli("run", "--preset", "smoke", "--no-progress", "--out", "r", "--resume", *sets,
+                 "--set", "train.lr=0.001", cwd=tmp_path)
+    assert again.returncode == 2, again.stderr
+    assert "different configuration" in again.stderr and "older crucible" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+def test_the_flows_refuse_a_budget_larger_than_the_data_before_any_run():
+    from flows.run_flow import resolve_config
+
+    with pytest.raises(ConfigError, match="data.allow_repeat"):
+        resolve_config("paper-178m", [])
+    assert resolve_config("paper-178m", ["data.allow_repeat=true"]).data.allow_repeat
+    assert resolve_config("study", []).preset == "study"
+
+
+def test_one_window_gives_null_standard_errors_and_strict_json(tmp_path: Path):
+    config = tiny(**{"train.eval_tokens": 1})       # one window of seq_len tokens
+    summary = train(config, out_dir=tmp_path / "r")
+    assert summary["eval_tokens"] == config.model.seq_len
+    assert summary["val_loss_stderr"] is None
+    text = (tmp_path / "r" / "summary.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict JSON: {name}"))
+    assert summary["versions"]["device"] == "cpu"
+    done = _cli("bypass-damage", str(tmp_path / "r"), "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout, parse_constant=lambda name: pytest.fail(name))["rows"]
+    assert rows and all(row["damage_stderr_pct"] is None for row in rows)

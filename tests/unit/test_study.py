@@ -146,10 +146,14 @@ def test_committed_spec_parses_into_the_issue_grid() -> None:
     ('name = "t"\npreset = "smoke"\nseeds = [0]\nset = ["model.widht=3"]\n[[grid]]\n'
      'arms=["none"]\nstrategies=["skip"]\np=[0.1]\n', "unknown key 'model.widht'"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
-     'p=[0.1]\nlabel="Bad Label"\nset=["train.lr=0.1"]\n', "grid[0].label must be lower-case"),
+     'p=[0.1]\nlabel="Bad Label"\nset=["pipeline.bypass_decode=sender"]\n', "grid[0].label must be lower-case"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
      'p=[0.1]\ncolour=1\n', "grid[0]: unknown key 'colour'"),
     ('name = "t" = 1\n', "is not valid TOML"),
+    # a block may not change what its shared p = 0 baseline trains
+    ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
+     'p=[0.1]\nset=["sparseloco.clip_granularity=stage"]\n',
+     "sparseloco.clip_granularity would change training without failures too"),
 ])
 def test_bad_spec_names_the_field(tmp_path: Path, text: str, needle: str) -> None:
     path = write_spec(tmp_path, text)
@@ -168,13 +172,13 @@ def test_two_blocks_that_make_one_id_differently_are_refused(tmp_path: Path) -> 
         arms = ["none"]
         strategies = ["skip"]
         p = [0.1]
-        set = ["train.lr=0.01"]
+        set = ["pipeline.bypass_decode=sender"]
         [[grid]]
         label = "x"
         arms = ["none"]
         strategies = ["skip"]
         p = [0.1]
-        set = ["train.lr=0.02"]
+        set = ["pipeline.bypass_decode=receiver"]
     """)
     with pytest.raises(study.StudyError, match="give one block a distinct `label`"):
         study.load_spec(path)
@@ -381,13 +385,23 @@ def test_growth_slope_per_seed(spec: study.Spec) -> None:
     data = study.StudyData(spec, study.load_results(spec))
     rows = {(arm, strat): s for arm, strat, _, s in study.growth_slopes(data)}
     s = rows[("none", "skip")]
-    ps = [0.0, 0.05, 0.1, 0.2]
+    ps = [0.05, 0.1, 0.2]   # p = 0 is left out of the fit
     for seed, offset in enumerate([0.0, 0.1, -0.1]):
-        ys = [0.0] + [10 * p + offset for p in ps[1:]]
-        mx, my = sum(ps) / 4, sum(ys) / 4
+        ys = [10 * p + offset for p in ps]
+        mx, my = sum(ps) / 3, sum(ys) / 3
         slope = sum((x - mx) * (y - my) for x, y in zip(ps, ys, strict=True)) / \
             sum((x - mx) ** 2 for x in ps)
         assert s.values[seed] == pytest.approx(0.1 * slope)
+
+
+def test_growth_claim_does_not_read_a_fall_as_growth(spec: study.Spec) -> None:
+    # positive but falling with p (the review's case): through (0, 0) this read as growth
+    values = {"none-skip-p0.05": [2.0, 2.1, 1.9], "none-skip-p0.1": [2.0, 2.1, 1.9],
+              "none-skip-p0.2": [1.5, 1.6, 1.4]}
+    fill(spec, values)
+    data = study.StudyData(spec, study.load_results(spec))
+    rows = {(arm, strat): s for arm, strat, _, s in study.growth_slopes(data)}
+    assert rows[("none", "skip")].mean < 0
 
 
 def test_result_file_for_another_cell_is_refused(spec: study.Spec) -> None:
