@@ -1460,7 +1460,6 @@ def write_figures(figures: Mapping[str, Any], paths: Mapping[str, Path], *, scal
     except ImportError:
         raise FigureError("playwright is not installed (`pip install -e .[dev]`); or pass "
                          "--no-figures") from None
-    import base64
 
     import plotly
 
@@ -1475,6 +1474,21 @@ def write_figures(figures: Mapping[str, Any], paths: Mapping[str, Path], *, scal
         return await Plotly.toImage(gd, {format: 'png', width: fig.layout.width,
                                          height: fig.layout.height, scale: scale});
     }"""
+    def shoot() -> list[Path]:
+        return _screenshots(sync_playwright, figures, paths, page_html, script, scale)
+
+    # Playwright's sync API refuses to run where an asyncio loop is running in this thread
+    # (a Prefect flow, a notebook): render in a thread of its own, which has none
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(shoot).result()
+
+
+def _screenshots(sync_playwright: Any, figures: Mapping[str, Any], paths: Mapping[str, Path],
+                 page_html: str, script: str, scale: int) -> list[Path]:
+    import base64
+
     written = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,

@@ -555,7 +555,8 @@ def test_demo_table_marks_one_seed_cells(monkeypatch, capsys) -> None:
     flows_cli._print_table(table, "t")
     out = capsys.readouterr().out
     assert "-0.50% (1 seed; below noise ±1.2)" in out
-    assert "±1.2 points is the noise floor the failure study measured" in " ".join(out.split())
+    assert "±1.2 points is the one-seed noise floor the failure study measured" in \
+        " ".join(out.split())
     assert "+3.00% [+1.00, +5.00]" in out
     assert "0 (baseline)" in out
     table["rows"][1]["cells"]["ssn/skip"]["mean_pct"] = -2.5
@@ -575,7 +576,15 @@ def test_figures_render_to_png(spec: study.Spec, tmp_path: Path) -> None:
     fill(spec, {"none-reroute-p0.2": [0.4, 0.5, 0.6]})
     data = study.StudyData(spec, study.load_results(spec))
     paths = {"figure3": tmp_path / "f3.png", "extras": tmp_path / "ex.png"}
-    written = study.write_figures(study.build_figures(data), paths, scale=1)
+
+    async def inside_a_running_loop() -> list[Path]:
+        # as under a Prefect flow or in a notebook: Playwright's sync API refuses a thread
+        # whose asyncio loop is running, so the renderer must not use this thread
+        return study.write_figures(study.build_figures(data), paths, scale=1)
+
+    import asyncio
+
+    written = asyncio.run(inside_a_running_loop())
     assert written == [paths["figure3"], paths["extras"]]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
