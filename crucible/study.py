@@ -1331,9 +1331,21 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
         if block.label:
             labelled[block.label] = block.sets
     if labelled:
+        from crucible.config import apply_overrides
+        from crucible.presets import get_preset
+
+        base = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets)).to_dict()
+        varied = sorted({item.split("=", 1)[0].strip() for sets in labelled.values()
+                         for item in sets})
+        defaults = []
+        for key in varied:
+            node: Any = base
+            for part in key.split("."):
+                node = node[part]
+            defaults.append(f"`{key}={node}`")
         out += ["Variants: " + "; ".join(f"`{label}` = {', '.join(f'`{s}`' for s in sets)}"
                                          for label, sets in sorted(labelled.items()))
-                + " (unlabelled cells use the preset's defaults).", ""]
+                + f" (unlabelled cells use the preset's defaults: {', '.join(defaults)}).", ""]
     out += [f"![Other strategies and variants]({img['extras']})", ""]
     return out
 
