@@ -583,8 +583,11 @@ def test_figures_render_to_png(spec: study.Spec, tmp_path: Path) -> None:
         return study.write_figures(study.build_figures(data), paths, scale=1)
 
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
-    written = asyncio.run(inside_a_running_loop())
+    # a thread of the test's own, whatever loop other tests left running in the main thread
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        written = pool.submit(asyncio.run, inside_a_running_loop()).result()
     assert written == [paths["figure3"], paths["extras"]]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
