@@ -87,7 +87,7 @@ def crucible_tokens_per_s(config: Config, global_steps: int) -> tuple[float, dic
         losses = {"val_loss_initial": initial, "val_loss_after": trainer.evaluate(),
                   "val_loss_stderr": trainer.last_eval_stderr,
                   "global_steps_trained": global_steps + 1,
-                  "eval_tokens": sum(int(t.numel()) for _, t in trainer.validation),
+                  "eval_tokens": trainer.eval_tokens,
                   "sync_s_per_round": trainer.counters.timing["sync_s"] / (global_steps + 1),
                   "inner_s_per_round": trainer.counters.timing["inner_s"] / (global_steps + 1)}
         trainer.callback.close()

@@ -29,17 +29,12 @@ DECODE_OPTIONS = ("identity", "sender", "receiver")
 
 def save_global_weights(path: Path, weights: list[dict[str, torch.Tensor]]) -> None:
     """Write the global weights of every stage (write-then-rename)."""
+    from crucible.summary import write_bytes_atomic
+
     buffer = io.BytesIO()
     torch.save({"format": 1, "stages": [{n: t.detach().cpu() for n, t in w.items()}
                                         for w in weights]}, buffer)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buffer.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def load_global_weights(path: Path) -> list[dict[str, torch.Tensor]]:
@@ -107,7 +102,7 @@ def evaluate_run(run_dir: str | os.PathLike[str], *,
     stderr = trainer.last_eval_stderr
     return {"val_loss": loss, "val_loss_stderr": stderr,
             "stderr_pct": None if stderr is None else 100 * stderr / loss,
-            "eval_tokens": sum(int(t.numel()) for _, t in trainer.validation),
+            "eval_tokens": trainer.eval_tokens,
             "eval_s": elapsed}
 
 
@@ -119,6 +114,8 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
     codecs have one way to bypass). Returns {"config", "eval_tokens", "intact", "rows": [{stage,
     decode, val_loss, damage_pct, damage_stderr_pct}]}; damage is paired (same windows), its
     standard error taken over windows."""
+    from crucible.train import standard_error
+
     with tempfile.TemporaryDirectory(prefix="crucible-bypass-") as scratch:
         trainer = _trained(Path(run_dir), eval_tokens, scratch)
         config = trainer.config
@@ -136,9 +133,6 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
                 rows.append({"stage": stage, "decode": decode,
                              "val_loss": float(losses.mean()),
                              "damage_pct": float(diff.mean()),
-                             # one window has no spread: None keeps the JSON strict
-                             "damage_stderr_pct": (float(diff.std() / diff.numel() ** 0.5)
-                                                   if diff.numel() > 1 else None)})
-    return {"config": config.to_dict(), "eval_tokens": int(sum(t.numel() for _, t in
-                                                                 trainer.validation)),
+                             "damage_stderr_pct": standard_error(diff)})
+    return {"config": config.to_dict(), "eval_tokens": trainer.eval_tokens,
             "intact": float(intact.mean()), "rows": rows}

@@ -20,23 +20,28 @@ if TYPE_CHECKING:
     from crucible.strategy import StepPlan
     from crucible.sync import StageSyncResult
 
-__all__ = ["RunCounters", "write_json_atomic", "git_sha"]
+__all__ = ["RunCounters", "write_bytes_atomic", "write_json_atomic", "git_sha"]
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, fsync, then rename over it."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to a temporary file beside `path`, fsync, then rename over it: a reader
+    sees the old file or the whole new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """`write_bytes_atomic` of `data` as indented, key-sorted, newline-terminated JSON."""
+    write_bytes_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def git_sha() -> str:

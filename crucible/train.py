@@ -38,9 +38,16 @@ from crucible.strategy import StepPlan, plan_step
 from crucible.summary import RunCounters, write_json_atomic
 from crucible.sync import OuterSync
 
-__all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device"]
+__all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device", "standard_error"]
 
 log = logging.getLogger(__name__)
+
+
+def standard_error(values: torch.Tensor) -> float | None:
+    """Standard error of the mean of per-window values; None for fewer than two (one window
+    has no spread to measure, and None keeps summary.json strict JSON)."""
+    n = values.numel()
+    return float(values.std() / n ** 0.5) if n > 1 else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,7 +122,7 @@ class Trainer:
         summary = self.counters.summary(self.config, plan=self.plan.until(self.next_step),
                                         tokens_budget=budget, global_steps=self.next_step,
                                         synced_params=self.sync.param_count())
-        summary["eval_tokens"] = sum(int(targets.numel()) for _, targets in self.validation)
+        summary["eval_tokens"] = self.eval_tokens
         if self.config.pipeline.compression == "mapl":
             summary["mapl_bases"] = self.basis_report()
         return summary
@@ -308,10 +315,13 @@ class Trainer:
         standard error (over windows) is kept in `last_eval_stderr`."""
         window_losses = self.window_losses()
         self.last_window_losses = window_losses
-        n = window_losses.numel()
-        # one window has no spread to measure: None (summary.json stays strict JSON)
-        self.last_eval_stderr = float(window_losses.std() / n ** 0.5) if n > 1 else None
+        self.last_eval_stderr = standard_error(window_losses)
         return float(window_losses.mean())
+
+    @property
+    def eval_tokens(self) -> int:
+        """Held-out tokens one evaluation scores."""
+        return sum(int(targets.numel()) for _, targets in self.validation)
 
     @torch.no_grad()
     def window_losses(self, *, bypass: torch.Tensor | None = None) -> torch.Tensor:
