@@ -140,6 +140,8 @@ class RunUpdate(BaseModel):
     final_val_loss: Loss | None = None
     tokens_budget: Count | None = None
     tokens_processed: Count | None = None
+    owed_records: Count | None = Field(None, description="metrics and events the run's reporter "
+                                       "still holds in its spool; 0 once all have arrived")
     summary: JsonObject | None = None
     prefect_flow_run_id: Text(64) | None = None  # type: ignore[valid-type]
 
@@ -165,6 +167,7 @@ class RunPublic(BaseModel):
     final_val_loss: float | None
     tokens_budget: int | None
     tokens_processed: int | None
+    owed_records: int | None
     summary: dict[str, Any] | None
     prefect_flow_run_id: str | None
     created_at: datetime

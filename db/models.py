@@ -102,6 +102,8 @@ class Run(Base):
     final_val_loss: Mapped[float | None] = mapped_column(Float)
     tokens_budget: Mapped[int | None] = mapped_column(BigInteger)
     tokens_processed: Mapped[int | None] = mapped_column(BigInteger)
+    # metrics + events still in the reporter's spool; a run that owes records is incomplete
+    owed_records: Mapped[int | None] = mapped_column(BigInteger)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     prefect_flow_run_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -160,3 +162,5 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
