@@ -1,24 +1,37 @@
 """Command-line commands contributed by the `api` package (registered by crucible.cli).
 
 - `crucible api [--host --port]` serves the registry with uvicorn;
-- `crucible api token create [--name]` stores a new token and prints it alone on its last line;
+- `crucible api token create [--name --expires-in 30d]` stores a new token and prints it alone on
+  its last line; `token list` shows every token without its secret; `token revoke NAME_OR_ID`;
+- `crucible api replay [--spool-root DIR]` delivers what reporters left in their spools (a client
+  command: it reads `CRUCIBLE_API_URL` / `CRUCIBLE_API_TOKEN` / `CRUCIBLE_WORK_DIR` like the flows);
 - `crucible db upgrade` / `crucible db downgrade [--revision]` run the migrations.
 All of them use the database of `CRUCIBLE_DATABASE_URL` (see api.settings.Settings).
 """
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from api.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 __all__ = ["register"]
 
 _log = logging.getLogger(__name__)
 
 api_app = typer.Typer(help="The run registry's REST API.", no_args_is_help=False)
-token_app = typer.Typer(help="API tokens for writes.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: writes, and reads in closed mode.",
+                        no_args_is_help=True)
 db_app = typer.Typer(help="The registry database.", no_args_is_help=True)
 api_app.add_typer(token_app, name="token")
 
@@ -42,20 +55,160 @@ def serve(ctx: typer.Context,
     uvicorn.run(create_app(settings), host=host, port=port)
 
 
-@token_app.command("create")
-def token_create(name: str = typer.Option("default", help="a label for the token")) -> None:
-    """Create a write token; it is shown once, alone on the last line."""
-    from api.security import create_token
+_DURATION = re.compile(r"^\s*(\d{1,6})\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration(text: str | None) -> timedelta | None:
+    """'30d', '12h', '90m', '45s', '2w' -> timedelta; None stays None."""
+    if text is None:
+        return None
+    match = _DURATION.match(text)
+    if match is None or int(match.group(1)) == 0:
+        raise typer.BadParameter(f"{text!r} is not a duration; write a positive count and a unit "
+                                 "s, m, h, d or w, e.g. 30d or 12h", param_hint="--expires-in")
+    return timedelta(seconds=int(match.group(1)) * _UNIT_S[match.group(2)])
+
+
+@contextmanager
+def _db_session() -> Iterator[Session]:
+    """A session on `CRUCIBLE_DATABASE_URL`; an unreachable database exits 1 with one line."""
+    from sqlalchemy.exc import OperationalError
+
     from db.session import make_engine, make_session_factory
 
-    engine = make_engine(Settings().database_url)
+    settings = Settings()
+    engine = make_engine(settings.database_url)
     try:
         with make_session_factory(engine)() as session:
-            token = create_token(session, name=name)
+            yield session
+    except OperationalError as exc:
+        typer.echo(f"error: cannot reach the database (CRUCIBLE_DATABASE_URL): "
+                   f"{str(exc.orig or exc).strip().splitlines()[0]}", err=True)
+        raise typer.Exit(code=1) from None
     finally:
         engine.dispose()
-    typer.echo(f"created token {name!r}; store it now, it cannot be shown again:")
+
+
+@token_app.command("create")
+def token_create(name: str = typer.Option("default", help="a label for the token"),
+                 expires_in: str | None = typer.Option(
+                     None, "--expires-in", help="valid this long, e.g. 30d, 12h, 2w "
+                                                "(default: until revoked)")) -> None:
+    """Create a write token; it is shown once, alone on the last line."""
+    from api.security import create_token
+    from db.models import utcnow
+
+    lifetime = _duration(expires_in)
+    expires_at = utcnow() + lifetime if lifetime is not None else None
+    with _db_session() as session:
+        token = create_token(session, name=name, expires_at=expires_at)
+    until = f", valid until {_when(expires_at)}" if expires_at else ""
+    typer.echo(f"created token {name!r}{until}; store it now, it cannot be shown again:")
     typer.echo(token)
+
+
+def _when(moment: datetime | None, *, never: str = "-") -> str:
+    from api.security import as_utc
+
+    moment = as_utc(moment)
+    return never if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """Every token: id, name, state, created, last used, expires, revoked (never the secret)."""
+    from api.security import list_tokens, token_state
+    from db.models import utcnow
+
+    with _db_session() as session:
+        tokens = list_tokens(session)
+    now = utcnow()
+    rows = [("ID", "NAME", "STATE", "CREATED", "LAST USED", "EXPIRES", "REVOKED")]
+    rows += [(str(token.id), token.name, token_state(token, now=now), _when(token.created_at),
+              _when(token.last_used_at, never="never"), _when(token.expires_at),
+              _when(token.revoked_at)) for token in tokens]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+                   .rstrip())
+    if not tokens:
+        typer.echo("no tokens yet: `crucible api token create`")
+
+
+@token_app.command("revoke")
+def token_revoke(name_or_id: str = typer.Argument(
+        ..., metavar="NAME_OR_ID", help="a token id, or the name of one unrevoked token")) -> None:
+    """Revoke a token: it stops working at once, and so do the browser sessions it opened."""
+    from api.security import TokenLookupError, revoke_token
+
+    with _db_session() as session:
+        try:
+            token = revoke_token(session, name_or_id=name_or_id)
+        except TokenLookupError as exc:
+            raise _usage(str(exc)) from None
+        typer.echo(f"revoked token {token.name!r} ({token.id}) at {_when(token.revoked_at)}")
+
+
+@api_app.command("replay")
+def replay(spool_root: Path | None = typer.Option(
+               None, "--spool-root", help="spool root to drain (default: CRUCIBLE_SPOOL_DIR, "
+                                          "else <CRUCIBLE_WORK_DIR>/spool)"),
+           timeout_s: float = typer.Option(
+               600.0, "--timeout-s", min=0.0, help="stop after this long; what is left stays "
+                                                   "for the next replay")) -> None:
+    """Deliver the metrics, events and final states that reporters left in their spools while
+    the registry was unreachable, and record as completed every run that no longer owes records.
+
+    Exit 0: nothing is left; 1: records are still owed (the registry is unreachable, another
+    process holds a spool, or a spool file cannot be read); 2: a bad option, setting or token.
+    Batches the API refuses are kept in `.rejected` files beside their spool, and listed.
+    """
+    from pydantic import ValidationError
+
+    from crucible.reporting import ApiClient, ApiError, replay_spools
+    from flows.settings import FlowSettings
+
+    try:
+        settings = FlowSettings()
+    except ValidationError as exc:
+        raise _usage("; ".join(str(error["msg"]) for error in exc.errors())) from None
+    if spool_root is not None and not spool_root.is_dir():
+        raise _usage(f"--spool-root {spool_root} is not a folder; pass a spool root "
+                     "(CRUCIBLE_SPOOL_DIR, by default <CRUCIBLE_WORK_DIR>/spool)")
+    root = spool_root or settings.spool_root
+    if not root.is_dir():
+        typer.echo(f"no spools under {root}: nothing to replay")
+        return
+    with ApiClient(settings.api_url, settings.api_token) as client:
+        try:
+            report = replay_spools(client, root, timeout_s=timeout_s)
+        except ApiError as exc:     # 401/403: nothing else escapes a replay
+            raise _usage(f"the registry refused the token ({exc}); set CRUCIBLE_API_TOKEN to a "
+                         "valid write token") from None
+    typer.echo(f"delivered {report.delivered} records from {root}")
+    for run_id in report.finished:
+        typer.echo(f"run {run_id}: final state recorded")
+    for run_id, owed in sorted(report.owed.items()):
+        typer.echo(f"run {run_id}: owes {owed} records")
+    for run_id, error in sorted(report.errors.items()):
+        typer.echo(f"run {run_id}: the registry refused its final state ({error})", err=True)
+    for path in report.held:
+        typer.echo(f"skipped (held by another process): {path}")
+    for path, why in sorted(report.unreadable.items()):
+        typer.echo(f"skipped, cannot read {path}: {why} (its run stays unfinished)", err=True)
+    for path, lines in sorted(report.rejected.items()):
+        typer.echo(f"{lines} batches refused by the API (or not batches), kept in {path}",
+                   err=True)
+    if report.unreachable:
+        typer.echo(f"registry unreachable, the rest stays spooled: {report.unreachable}", err=True)
+    if not report.complete:
+        raise typer.Exit(code=1)
+
+
+def _usage(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
 
 
 @db_app.command("upgrade")

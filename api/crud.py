@@ -7,12 +7,11 @@ last item returned, so pages stay stable while rows are inserted.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
+import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -30,6 +29,7 @@ __all__ = [
     "create_sweep", "get_sweep", "list_sweeps", "update_sweep", "create_run", "get_run",
     "list_runs", "update_run", "insert_metrics", "insert_events", "list_metrics", "list_events",
     "sweep_run_rows", "sweep_robustness", "sweep_table", "encode_cursor", "decode_cursor",
+    "cursor_pattern",
 ]
 
 _MAX_SEED = 2**62
@@ -38,35 +38,58 @@ _MAX_DURATION = 2**31 - 1
 
 # ---------------------------------------------------------------- cursors
 
+# A cursor is the hex of the last item's sort key at a fixed width: 8 bytes per int (signed) or
+# timestamp (microseconds since the epoch), 16 per UUID. Every hex string of the right length is
+# a position (a timestamp beyond the calendar is clamped), so the routes' `pattern` states
+# exactly which cursors are valid, and the published schema and the 422s agree.
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_CURSOR_BYTES = {int: 8, datetime: 8, uuid.UUID: 16}
+_MIN_US = (datetime.min.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+_MAX_US = (datetime.max.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+
+
+def cursor_pattern(kinds: Sequence[type]) -> str:
+    """The regular expression every cursor of a sort key of these `kinds` matches."""
+    return f"^[0-9a-fA-F]{{{2 * sum(_CURSOR_BYTES[kind] for kind in kinds)}}}$"
+
+
+def _cursor_bytes(value: Any) -> bytes:
+    if isinstance(value, uuid.UUID):
+        return value.bytes
+    if isinstance(value, datetime):  # SQLite returns naive timestamps, written in UTC
+        moment = value if value.tzinfo else value.replace(tzinfo=UTC)
+        value = (moment - _EPOCH) // timedelta(microseconds=1)
+    return int(value).to_bytes(8, "big", signed=True)
+
+
 def encode_cursor(key: Sequence[Any]) -> str:
-    """Opaque cursor for a sort key (JSON, base64url)."""
-    raw = json.dumps([v.isoformat() if isinstance(v, datetime) else v for v in key])
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    """Opaque cursor for a sort key of ints, UTC datetimes and UUIDs."""
+    return b"".join(_cursor_bytes(value) for value in key).hex()
+
+
+def _cursor_part(kind: type, raw: bytes) -> Any:
+    if kind is uuid.UUID:
+        return uuid.UUID(bytes=raw)
+    number = int.from_bytes(raw, "big", signed=True)
+    if kind is datetime:
+        return _EPOCH + timedelta(microseconds=min(max(number, _MIN_US), _MAX_US))
+    return number
 
 
 def decode_cursor(cursor: str, *, kinds: Sequence[type]) -> list[Any]:
     """Decode a cursor made by `encode_cursor` whose parts have the given `kinds`
-    (int, str, datetime, uuid.UUID). Raises InvalidInputError naming `cursor` otherwise."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        parts = json.loads(raw)
-        if not isinstance(parts, list) or len(parts) != len(kinds):
-            raise ValueError("wrong shape")
-        return [_cursor_part(kind, part) for kind, part in zip(kinds, parts, strict=True)]
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+    (int, datetime, uuid.UUID). Raises InvalidInputError naming `cursor` otherwise."""
+    if not re.fullmatch(cursor_pattern(kinds)[1:-1], cursor):
         raise InvalidInputError("cursor is not one this API returned; pass next_cursor from the "
                                 "previous page, or omit it for the first page",
-                                field="query.cursor") from None
-
-
-def _cursor_part(kind: type, part: Any) -> Any:
-    if kind is datetime:
-        return datetime.fromisoformat(part)
-    if kind is uuid.UUID:
-        return uuid.UUID(part)
-    if kind is int and (not isinstance(part, int) or isinstance(part, bool) or abs(part) > 2**62):
-        raise ValueError(part)
-    return kind(part)
+                                field="query.cursor")
+    raw = bytes.fromhex(cursor)
+    parts, offset = [], 0
+    for kind in kinds:
+        width = _CURSOR_BYTES[kind]
+        parts.append(_cursor_part(kind, raw[offset:offset + width]))
+        offset += width
+    return parts
 
 
 def _keyset_page(session: Session, query: Any, *, columns: tuple[Any, Any],
@@ -83,7 +106,7 @@ def _keyset_page(session: Session, query: Any, *, columns: tuple[Any, Any],
         return rows, None
     last = rows[limit - 1]
     key = [getattr(last, c.key) for c in columns]
-    return rows[:limit], encode_cursor([str(v) if isinstance(v, uuid.UUID) else v for v in key])
+    return rows[:limit], encode_cursor(key)
 
 
 # ---------------------------------------------------------------- sweeps
@@ -373,14 +396,20 @@ _ANALYSIS_KEYS = tuple(column.key for column in _ANALYSIS_COLUMNS)
 
 def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, Any]]:
     """The analysis view of a sweep's runs (creation order): id, compression, strategy, p,
-    duration, seed, status, final_val_loss, initial_val_loss. Raises NotFoundError."""
+    duration, seed, status, final_val_loss, initial_val_loss. A run that still owes records
+    (`owed_records` > 0) has status "running" here, whatever its own says: it is not a finished
+    data point until they arrive. Raises NotFoundError."""
     if session.scalar(select(Sweep.id).where(Sweep.id == sweep_id)) is None:
         raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
-    query = (select(*_ANALYSIS_COLUMNS).where(Run.sweep_id == sweep_id)
+    query = (select(*_ANALYSIS_COLUMNS, Run.owed_records).where(Run.sweep_id == sweep_id)
              .order_by(Run.created_at, Run.id))
-    rows = [dict(zip(_ANALYSIS_KEYS, row, strict=True)) for row in session.execute(query)]
-    for row in rows:
+    rows = []
+    for *values, owed in session.execute(query):
+        row = dict(zip(_ANALYSIS_KEYS, values, strict=True))
         row["id"] = str(row["id"])
+        if owed:
+            row["status"] = "running"
+        rows.append(row)
     return rows
 
 

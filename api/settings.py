@@ -25,8 +25,18 @@ class Settings(BaseSettings):
         None, description="bearer token: clients send it; the server also accepts it for writes")
     store_url: str | None = Field(None, description="file:///path or s3://bucket/prefix")
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
-    reads_require_token: bool = Field(False, description="close GET endpoints to anonymous users")
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="larger bodies get a 413")
+    reads_require_token: bool = Field(
+        False, description="close reads (GET endpoints, dashboards) to anonymous users; browsers "
+                           "sign in at /login")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="caps every endpoint's own body limit "
+                                            "(api.middleware.BODY_LIMITS); larger bodies get a 413")
+    session_secret: SecretStr | None = Field(
+        None, min_length=32, description="signs browser session cookies (32+ characters, e.g. "
+                                         "`openssl rand -hex 32`); unset: a random secret per "
+                                         "process (sessions end when the API restarts)")
+    session_ttl_s: int = Field(12 * 3600, gt=0, description="how long a browser session lasts "
+                                                            "(never past its token's expiry)")
     migrate_on_start: bool = Field(False, description="run migrations to head when the app starts")
 
 

@@ -7,7 +7,9 @@ dashboards meet.
     crucible report --sweep ID --out FILE.html    (dashboards)
     crucible api ... | crucible db upgrade        (registry)
 
-Exit codes: 0 success, 2 bad input (a message names the key and the allowed values), 1 failure.
+Exit codes: 0 success, 2 bad input or a run this machine cannot start (one `error:` line names
+the key or option and the fix; docs/OPERATIONS.md, "Before a run starts"), 1 failure (a
+diverged run, an object store that stopped answering: one line, `--resume` continues).
 """
 from __future__ import annotations
 
@@ -73,24 +75,37 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         out: Path = typer.Option(Path("runs/latest"), "--out", help="output folder"),
         resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+        skip_memory_check: bool = typer.Option(
+            False, "--skip-memory-check",
+            help="start even when the estimated peak memory exceeds what this machine has "
+                 "left (docs/OPERATIONS.md, Memory estimate)"),
         ) -> None:
-    """Train one run locally (no server needed) and write OUT/summary.json."""
+    """Train one run locally (no server needed) and write OUT/summary.json.
+
+    Before anything is written, the run is checked against this machine: the device exists,
+    OUT (and a file:// store) can be written, and the estimated peak memory fits."""
     _setup_logging()
     from crucible.checkpoint import CheckpointError
     from crucible.config import ConfigError, apply_overrides
     from crucible.faults import FaultPlanError
     from crucible.presets import get_preset
+    from crucible.store import StoreError
 
+    config = None
     try:
         config = apply_overrides(get_preset(preset), overrides)
+        from crucible.preflight import check_can_start
         from crucible.train import TrainingDiverged, train
 
+        check_can_start(config, out_dir=out, memory_check=not skip_memory_check)
         summary = train(config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty())
     except (ConfigError, FaultPlanError) as exc:
         raise _fail(str(exc)) from None
     except CheckpointError as exc:
-        raise _fail(f"{exc} (a checkpoint written by an older crucible, whose config fields "
-                    "or initial weights differ, cannot be resumed either)") from None
+        raise _fail(str(exc)) from None
+    except StoreError as exc:
+        endpoint = config.store.endpoint_url if config is not None else None
+        raise _fail(_store_failure(exc, endpoint, out), code=1) from None
     except TrainingDiverged as exc:
         raise _fail(str(exc), code=1) from None
     initial = summary["initial_val_loss"]
@@ -101,6 +116,17 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
                f"in {summary['wall_s']:.1f} s; "
                f"{summary['tokens_processed']} tokens")
     typer.echo(f"summary: {out / 'summary.json'}")
+
+
+def _store_failure(exc: Exception, endpoint_url: str | None, out: Path) -> str:
+    """One line for a store that failed: what failed, where (the S3Store in the message names
+    bucket and prefix), and how to go on."""
+    endpoint = endpoint_url or "the default AWS endpoint"
+    where = f" (endpoint {endpoint})" if "s3://" in str(exc) else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"object store failed{where}: {first}. Checkpoints already written are kept: fix "
+            f"the store, then `crucible run --resume --out {out}` with the same preset and "
+            "--set values continues from the last one")
 
 
 def _rescore(fn, run_dir: Path, eval_tokens: int | None,  # noqa: ANN001 - a bypass function

@@ -16,6 +16,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlparse
+
+from crucible.store import parse_store_url  # stdlib only: boto3 loads with the first S3Store
 
 __all__ = [
     "ConfigError", "ModelConfig", "PipelineConfig", "SparseLoCoConfig", "TrainConfig",
@@ -31,6 +34,9 @@ ClipGranularity = Literal["tensor", "stage"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["fp32", "bf16"]
 Mlp = Literal["swiglu", "gelu"]
+# The SparseLoCo codec's largest chunk edge: chunk-local indices are 12 bits, so a chunk holds at
+# most 64 x 64 = 4096 values (crucible.sparseloco._chunking reads it from here).
+MAX_SPARSELOCO_CHUNK = 64
 
 
 class ConfigError(ValueError):
@@ -106,9 +112,15 @@ class SparseLoCoConfig:
     topk: int = 64                  # values kept per full 64x64 chunk (density 1/64)
     aggregate: Aggregate = "selected_mean"
     clip_granularity: ClipGranularity = "tensor"   # median-norm clipping per tensor (Templar)
+    max_norm_ratio: float = 50.0    # reject a tensor norm above 50x the round median; 0 = off
 
     def __post_init__(self) -> None:
         _positive(self, "sparseloco", "inner_steps", "chunk", "topk")
+        _require(self.chunk <= MAX_SPARSELOCO_CHUNK,
+                 f"sparseloco.chunk={self.chunk} is too large: chunk-local indices are 12 bits, "
+                 f"so a chunk edge is at most {MAX_SPARSELOCO_CHUNK} ({MAX_SPARSELOCO_CHUNK}x"
+                 f"{MAX_SPARSELOCO_CHUNK} = 4096 positions); use a chunk in [1, "
+                 f"{MAX_SPARSELOCO_CHUNK}]")
         _require(0 <= self.beta < 1, f"sparseloco.beta must be in [0, 1), got {self.beta}")
         _require(self.topk <= self.chunk * self.chunk,
                  f"sparseloco.topk={self.topk} exceeds a chunk of {self.chunk}x{self.chunk}")
@@ -116,6 +128,9 @@ class SparseLoCoConfig:
                  f"sparseloco.outer_lr must be > 0, got {self.outer_lr}")
         _require(0 <= self.outer_momentum < 1,
                  f"sparseloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        _require(self.max_norm_ratio == 0 or self.max_norm_ratio > 1,
+                 f"sparseloco.max_norm_ratio must be 0 (off) or > 1 (a multiple of the round's "
+                 f"median norm), got {self.max_norm_ratio}")
 
     @property
     def resolved_outer_lr(self) -> float:
@@ -146,6 +161,7 @@ class TrainConfig:
                                     # the fastest on a CPU; larger batches leave the cache)
     eval_initial: bool = True       # also score the untrained model (global step 0)
     checkpoint_every: int = 0       # global steps between checkpoints; 0 = never
+    keep_checkpoints: int = 2       # newest checkpoints kept (2: one to fall back on)
     device: Device = "auto"
     dtype: DType = "fp32"
 
@@ -158,6 +174,9 @@ class TrainConfig:
         _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0 (0 disables), got {self.checkpoint_every}")
+        _require(self.keep_checkpoints >= 1,
+                 f"train.keep_checkpoints must be >= 1 (2 keeps one to fall back on if the "
+                 f"newest is corrupt), got {self.keep_checkpoints}")
         _require(0 <= self.min_lr_ratio <= 1,
                  f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(self.grad_clip > 0, f"train.grad_clip must be > 0, got {self.grad_clip}")
@@ -194,10 +213,22 @@ class StoreConfig:
     url: str | None = None          # None: file://<out>/store ; or s3://bucket/prefix
     endpoint_url: str | None = None
     region: str | None = None
+    keep_rounds: int = 0            # rounds of contributions and manifests kept; 0 = all
 
     def __post_init__(self) -> None:
-        _require(self.url is None or self.url.startswith(("file://", "s3://")),
-                 f"store.url must start with file:// or s3://, got {self.url!r}")
+        if self.url is not None:
+            try:
+                parse_store_url(self.url)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.endpoint_url is not None:
+            endpoint = urlparse(self.endpoint_url)
+            _require(endpoint.scheme in ("http", "https") and bool(endpoint.hostname),
+                     f"store.endpoint_url={self.endpoint_url!r} is not an http(s) URL; give the "
+                     "S3 endpoint's address, e.g. http://127.0.0.1:9000 (MinIO) or "
+                     "https://<account>.r2.cloudflarestorage.com, or unset it for AWS")
+        _require(self.keep_rounds >= 0,
+                 f"store.keep_rounds must be >= 0 (0 keeps every round), got {self.keep_rounds}")
 
 
 @dataclass
@@ -216,6 +247,14 @@ class Config:
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        # contribution headers carry the global step in 32 bits; drop_extend may run up to
+        # global_steps * (duration + 1) + duration steps (crucible.train.Trainer._max_steps)
+        steps, duration = self.train.global_steps, self.faults.duration
+        longest = steps * (duration + 1) + duration if self.faults.strategy == "drop_extend" \
+            else steps
+        _require(longest < 2**32, f"train.global_steps={steps} can run {longest} global steps, "
+                                  f"more than a contribution header's 32-bit step holds; lower "
+                                  f"train.global_steps (or faults.duration with drop_extend)")
         layers, stages = self.model.layers, self.pipeline.stages
         _require(layers % stages == 0,
                  f"pipeline.stages={stages} must divide model.layers={layers}; "

@@ -9,7 +9,9 @@ idempotent sink stores each event exactly once. Metrics are keyed by (name, glob
 Event kinds: failure_start, then one per down stage-replica and global step saying what was done
 about it (bypass: the stage was skipped; drop: the replica's tokens were dropped; reroute: its
 micro-batches went through `detail.donor`'s stage), rejoin, contribution_missing,
-contribution_rejected.
+contribution_rejected, manifest_rejected (an invalid manifest passed over: detail.key,
+detail.reason), checkpoint_rejected (a corrupt checkpoint skipped on resume: detail.key,
+detail.reason, detail.resumed_from).
 Metric names: train_loss (per replica), val_loss (global model, replica None), tokens (cumulative).
 """
 from __future__ import annotations
@@ -21,11 +23,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["EVENT_KINDS", "METRIC_NAMES", "Metric", "Event", "Callback", "JsonlCallback",
-           "MultiCallback", "NullCallback", "event_id"]
+           "MultiCallback", "NullCallback", "event_id", "detail_text", "MAX_DETAIL_TEXT"]
 
 EVENT_KINDS = ("failure_start", "bypass", "drop", "rejoin", "contribution_missing",
-               "contribution_rejected", "reroute")
+               "contribution_rejected", "reroute", "manifest_rejected", "checkpoint_rejected")
 METRIC_NAMES = ("train_loss", "val_loss", "tokens")
+MAX_DETAIL_TEXT = 200   # characters of a free-text detail (a rejection reason)
+
+
+def detail_text(text: str) -> str:
+    """`text` as an event detail: ASCII (anything else backslash-escaped, so JSON adds at
+    most one escape per character) and at most MAX_DETAIL_TEXT characters. A reason built
+    from what a peer wrote (a parameter name, an exception) stays small however it was made."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")[:MAX_DETAIL_TEXT]
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,22 @@ class JsonlCallback:
         self.flush()
         self._metrics.close()
         self._events.close()
+
+    def resend(self, callback: Callback) -> int:
+        """Send every record already in the files to `callback`; returns how many.
+
+        A resumed run calls it before training on: a reporter killed with the run may have held
+        records in memory that never reached the registry, and the files (fsync'd every global
+        step) hold all of them. Receivers ignore records they already have (metrics are keyed by
+        (name, step, replica), events by id), so re-sending is harmless."""
+        self.flush()
+        metrics = _read_jsonl(self.metrics_path)
+        events = _read_jsonl(self.events_path)
+        for record in metrics:
+            callback.metric(Metric(**record))
+        for record in events:
+            callback.event(Event(**record))
+        return len(metrics) + len(events)
 
 
 def _drop_torn_tail(path: Path) -> None:

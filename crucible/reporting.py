@@ -1,400 +1,431 @@
-"""Client of the run registry: `ApiClient` (REST calls) and `ApiCallback`, the trainer callback
-that reports metrics and events to the API without ever losing or duplicating one.
+"""Reporting a run to the registry: `ApiCallback`, the trainer callback that sends metrics and
+events to the API from a background thread, never stalling training, never losing a record and
+never storing one twice. `ApiClient` and its errors (`crucible.registry_client`) and the replay
+of spools with a run's final state (`crucible.replay`) are importable from here too.
 
-How `ApiCallback` keeps that promise:
-- records are buffered and sent in batches (size or time triggered; time is checked on every
-  call, no background thread, so the trainer's step is the clock);
-- a batch that cannot be delivered (connection error, 5xx, 408/429 after retries with backoff) is
-  appended to an append-only spool file in `spool_dir` and fsynced, so `flush()` always leaves
-  everything received either stored by the API or on disk;
-- while the spool is non-empty, new batches queue behind it, and the spool is replayed in order
-  (throttled by exponential backoff) once the API answers again; a `.offset` file remembers how
-  far the replay got;
+How `ApiCallback` keeps those promises:
+- the training thread only hands records over: `metric`/`event` buffer them, and a full batch
+  (`batch_size`), `flush_interval_s` elapsed or `flush()` puts the batch on a bounded in-memory
+  queue (`queue_batches`); when the queue is full the batch is appended to the run's spool file
+  instead (a local fsync). The training thread never does network I/O and never waits for it;
+- a sender thread first replays what earlier reporters left under the spool root, then takes
+  batches from the queue (merging small ones) and posts them. A batch that cannot be delivered
+  (connection error, 5xx, 408/429 after retries with backoff, a hang past the client's timeout)
+  is appended to the spool and fsync'd; while the spool holds batches, new ones go behind them
+  and the spool is replayed in order, throttled by exponential backoff, once the API answers
+  again; a `.offset` file remembers how far the replay got. An error that is not an `ApiError`
+  (a bug, a library's surprise) is logged, what the sender held is spooled (kept in memory and
+  tried again while the disk refuses it), and the sender goes on after the backoff: it never
+  dies silently. Should its thread end anyway, later hand-overs go to the spool and `close()`
+  spools whatever it still held;
 - duplicates are impossible by construction of the API: metrics are keyed by (name, step,
   replica), events by their deterministic id, and both endpoints ignore rows already stored, so
   re-sending after a crash between "sent" and "offset written" is harmless;
-- `close()` leaves anything undeliverable in the spool, and the next `ApiCallback` on the same
-  `spool_dir` replays it when it starts (each record names its run).
+- `close()` hands the rest over, lets the sender deliver for at most `close_timeout_s`, then
+  writes whatever is still queued or in flight to the spool and returns; `owed_records` says how
+  many metric and event records the spool still holds. The next replay delivers them: the sender
+  of any later `ApiCallback` on the same spool root, any flow start, `crucible api replay`;
+- a run's final state goes through the spool folder too (`record_finish`): it is recorded only
+  once every record the run reported has arrived, so a run is never called completed with data
+  missing; until then the registry shows `owed_records` = N, "owes N records" (see
+  `crucible.replay` for the state machine). A new `ApiCallback` of a run is a new attempt: it
+  sets aside the final state an earlier attempt left there, and while its spool is open no
+  replay records any final state of the run.
 A batch the API refuses as invalid (other 4xx) is moved to `<spool>.rejected` and logged, so one
-bad record cannot block the queue; 401/403 raise `ApiError` (a configuration mistake).
+bad record cannot block the queue; a refused token (401/403) is raised by the next call on the
+training thread, its batch kept in the spool for when the token is fixed.
+
+A SIGKILL takes the batches still in the in-memory queue with it (at most `queue_batches`; in
+normal operation the last step's), but not from the run: the run folder's metrics.jsonl and
+events.jsonl are fsync'd every global step, and a resumed run sends them to its reporter again
+before training on (`crucible.train.train`, `JsonlCallback.resend`). Everything the sender has
+stored or spooled survives as it is.
 
 Only stdlib + httpx: importing this module never imports torch.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
-
-import httpx
+from typing import Any
 
 from crucible.events import Event, Metric
+from crucible.ids import validate_id
+from crucible.registry_client import ApiClient, ApiError, ApiUnavailable, RecordsOwed
+from crucible.replay import ReplayReport, record_finish, replay_spools, supersede_finish
+from crucible.spool import SpoolFile, drain, send_record
 
-__all__ = ["ApiError", "ApiUnavailable", "ApiClient", "ApiCallback"]
+__all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient", "ApiCallback",
+           "ReplayReport", "replay_spools", "record_finish", "supersede_finish"]
 
 _log = logging.getLogger(__name__)
-_TRANSIENT = {408, 429, 500, 502, 503, 504}
-_PREFIX = "/api/v1"
+_FIRST_BACKOFF_S = 0.5
 
 
-class ApiError(RuntimeError):
-    """The API answered with an error; `status_code` and `detail` say which."""
-
-    def __init__(self, status_code: int, detail: Any) -> None:
-        super().__init__(f"API error {status_code}: {detail}")
-        self.status_code = status_code
-        self.detail = detail
-
-
-class ApiUnavailable(ApiError):
-    """The API could not be reached (or kept failing with 5xx) after all retries."""
-
-
-class ApiClient:
-    """Thin typed wrapper of the registry's REST API.
-
-    Transient failures (connection errors, 408/429/5xx) are retried `retries` times with
-    exponential backoff starting at `backoff_s`, then raise `ApiUnavailable`; other errors raise
-    `ApiError` at once.
-    """
-
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 10.0,
-                 retries: int = 3, backoff_s: float = 0.2) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> ApiClient:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------ transport
-
-    def request(self, method: str, path: str, *, json_body: Any = None,
-                params: dict[str, Any] | None = None, retries: int | None = None) -> Any:
-        """One API call with retries; returns the decoded JSON body."""
-        attempts = 1 + (self.retries if retries is None else retries)
-        params = {k: v for k, v in (params or {}).items() if v is not None}
-        for attempt in range(attempts):
-            try:
-                response = self._http.request(method, path, json=json_body, params=params)
-            except httpx.TransportError as exc:
-                failure: ApiError = ApiUnavailable(0, f"{type(exc).__name__}: {exc}")
-            else:
-                if response.status_code < 400:
-                    return response.json()
-                failure = _error(response)
-                if response.status_code not in _TRANSIENT:
-                    raise failure
-            if attempt + 1 < attempts:
-                time.sleep(self.backoff_s * 2**attempt)
-        raise ApiUnavailable(failure.status_code, failure.detail)
-
-    def _pages(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        cursor = None
-        while True:
-            page = self.request("GET", path, params={**params, "cursor": cursor})
-            yield from page["items"]
-            cursor = page["next_cursor"]
-            if cursor is None:
-                return
-
-    # ------------------------------------------------------------ sweeps
-
-    def create_sweep(self, name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.request("POST", f"{_PREFIX}/sweeps", json_body={"name": name, "spec": spec})
-
-    def get_sweep(self, sweep_id: str) -> dict[str, Any]:
-        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}")
-
-    def update_sweep(self, sweep_id: str, **changes: Any) -> dict[str, Any]:
-        """PATCH a sweep: status=..., prefect_flow_run_id=..."""
-        return self.request("PATCH", f"{_PREFIX}/sweeps/{sweep_id}", json_body=changes)
-
-    def robustness(self, sweep_id: str) -> dict[str, Any]:
-        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/robustness")
-
-    def table(self, sweep_id: str) -> dict[str, Any]:
-        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/table")
-
-    # ------------------------------------------------------------ runs
-
-    def create_run(self, config: dict[str, Any], *, sweep_id: str | None = None,
-                   name: str | None = None, config_hash: str | None = None,
-                   code_version: str | None = None) -> dict[str, Any]:
-        body = {"config": config, "sweep_id": sweep_id, "name": name,
-                "config_hash": config_hash, "code_version": code_version}
-        return self.request("POST", f"{_PREFIX}/runs",
-                            json_body={k: v for k, v in body.items() if v is not None})
-
-    def get_run(self, run_id: str) -> dict[str, Any]:
-        return self.request("GET", f"{_PREFIX}/runs/{run_id}")
-
-    def update_run(self, run_id: str, **changes: Any) -> dict[str, Any]:
-        """PATCH a run: status=, status_reason=, final_val_loss=, summary=, ..."""
-        return self.request("PATCH", f"{_PREFIX}/runs/{run_id}", json_body=changes)
-
-    def list_runs(self, **filters: Any) -> list[dict[str, Any]]:
-        """Every run matching the filters (sweep_id, compression, strategy, p, seed, status,
-        config_hash, code_version), following pagination."""
-        return list(self._pages(f"{_PREFIX}/runs", filters))
-
-    # ------------------------------------------------------------ metrics and events
-
-    def post_metrics(self, run_id: str, items: list[dict[str, Any]], *,
-                     retries: int | None = None) -> dict[str, Any]:
-        return self.request("POST", f"{_PREFIX}/runs/{run_id}/metrics:batch",
-                            json_body={"items": items}, retries=retries)
-
-    def post_events(self, run_id: str, items: list[dict[str, Any]], *,
-                    retries: int | None = None) -> dict[str, Any]:
-        return self.request("POST", f"{_PREFIX}/runs/{run_id}/events:batch",
-                            json_body={"items": items}, retries=retries)
-
-    def list_metrics(self, run_id: str, *, name: str | None = None) -> list[dict[str, Any]]:
-        return list(self._pages(f"{_PREFIX}/runs/{run_id}/metrics", {"name": name}))
-
-    def list_events(self, run_id: str, *, kind: str | None = None) -> list[dict[str, Any]]:
-        return list(self._pages(f"{_PREFIX}/runs/{run_id}/events", {"kind": kind}))
-
-
-def _error(response: httpx.Response) -> ApiError:
-    try:
-        detail = response.json().get("detail", response.text)
-    except (ValueError, AttributeError):
-        detail = response.text
-    return ApiError(response.status_code, detail)
-
-
-Sender = Callable[[dict[str, Any]], None]
-
-
-class _Spool:
-    """An append-only JSON-lines file of undelivered batches, plus the byte offset up to which
-    they have been delivered. The owner holds an exclusive flock on it while open."""
-
-    def __init__(self, path: Path) -> None:
-        """Open and lock `path`; raises BlockingIOError when another live owner holds it."""
-        self.path = path
-        self.offset_path = path.with_name(path.name + ".offset")
-        self.rejected_path = path.with_name(path.name + ".rejected")
-        self._fh: IO[str] = open(path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._fh.close()
-            raise
-        self._drop_torn_tail()
-
-    def _drop_torn_tail(self) -> None:
-        # a process killed mid-append leaves a partial last line that was never acknowledged
-        self._fh.seek(0)
-        data = self._fh.read()
-        if data and not data.endswith("\n"):
-            self._fh.truncate(len(data[: data.rfind("\n") + 1].encode("utf-8")))
-
-    def append(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def _offset(self) -> int:
-        try:
-            return int(self.offset_path.read_text())
-        except (FileNotFoundError, ValueError):
-            return 0
-
-    def _set_offset(self, offset: int) -> None:
-        tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")
-        tmp.write_text(str(offset))
-        os.replace(tmp, self.offset_path)
-
-    def reject(self, record: dict[str, Any], error: ApiError) -> None:
-        """Keep a batch the API refused as invalid aside (never silently dropped)."""
-        _log.error("registry refused a batch of %d %s (%s); kept in %s", len(record["items"]),
-                   record["kind"], error, self.rejected_path)
-        with open(self.rejected_path, "a", encoding="utf-8") as rejected:
-            rejected.write(json.dumps(record) + "\n")
-
-    def pending(self) -> bool:
-        return os.path.getsize(self.path) > self._offset()
-
-    def drain(self, send: Sender) -> None:
-        """Send every undelivered record in order; stops at (and re-raises) the first
-        ApiUnavailable. Rejected records go to the `.rejected` file."""
-        offset = self._offset()
-        with open(self.path, "rb") as reader:
-            reader.seek(offset)
-            for line in reader:
-                try:
-                    send(json.loads(line))
-                except ApiUnavailable:
-                    raise
-                except ApiError as exc:
-                    if exc.status_code in (401, 403):
-                        raise
-                    self.reject(json.loads(line), exc)
-                offset += len(line)
-                self._set_offset(offset)
-        self._fh.truncate(0)
-        self.offset_path.unlink(missing_ok=True)
-
-    def close(self, *, remove_if_empty: bool = True) -> None:
-        empty = not self.pending()
-        if empty and remove_if_empty:
-            self.path.unlink(missing_ok=True)
-            self.offset_path.unlink(missing_ok=True)
-        self._fh.close()
+def _batches(run_id: str, metrics: list[dict[str, Any]], events: list[dict[str, Any]],
+             batch_size: int) -> Iterator[dict[str, Any]]:
+    """Spool records {"run_id", "kind", "items"} of at most `batch_size` items each."""
+    for kind, items in (("metrics", metrics), ("events", events)):
+        for start in range(0, len(items), batch_size):
+            yield {"run_id": run_id, "kind": kind, "items": items[start:start + batch_size]}
 
 
 class ApiCallback:
-    """`crucible.events.Callback` reporting to the registry (see the module docstring).
+    """`crucible.events.Callback` reporting run `run_id` to the registry (module docstring).
 
-    `batch_size` (<= 10,000) records of one kind, or `flush_interval_s` since the last send,
-    trigger a send; `flush()` sends or spools everything; `close()` also retries the spool for up
-    to `close_timeout_s` before leaving it for the next callback on `spool_dir`.
+    `spool_dir` is the spool root shared by every reporter of the work folder: this callback
+    writes `<spool_dir>/<run_id>/<writer>.spool.jsonl` and its sender first replays what earlier
+    reporters left anywhere under `spool_dir`. `batch_size` (<= 10,000) records of one kind, or
+    `flush_interval_s` since the last hand-over, make a batch; at most `queue_batches` batches
+    wait in memory; `close()` waits at most `close_timeout_s` for the sender.
     """
 
     def __init__(self, client: ApiClient, run_id: str, spool_dir: str | os.PathLike[str], *,
                  batch_size: int = 1000, flush_interval_s: float = 2.0,
-                 close_timeout_s: float = 10.0, max_backoff_s: float = 30.0) -> None:
+                 close_timeout_s: float = 10.0, max_backoff_s: float = 30.0,
+                 queue_batches: int = 64) -> None:
         if not 1 <= batch_size <= 10_000:
             raise ValueError(f"batch_size must be in [1, 10000], got {batch_size}")
+        if queue_batches < 1:
+            raise ValueError(f"queue_batches must be >= 1, got {queue_batches}")
         self.client = client
-        self.run_id = str(run_id)
+        self.run_id = validate_id(str(run_id), field="run_id")   # it names a spool folder
         self.spool_dir = Path(spool_dir)
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.close_timeout_s = close_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.queue_batches = queue_batches
+        self.owed_records: int | None = None     # set by close(): records left in the spool
         self._metrics: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
-        self._last_send = time.monotonic()
+        self._last_hand_over = time.monotonic()
+        self._closed = False
+        # One lock guards the queue, the batches in flight, the spool file and the flags below;
+        # it is never held during network I/O, so the training thread waits on it for a local
+        # file operation at most.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[dict[str, Any]] = deque()
+        self._in_flight: list[dict[str, Any]] = []
+        self._stopping = False
+        self._deadline: float | None = None
+        self._taken_back = False     # close() took the spool back from a sender stuck on I/O
+        self._sender_running = True  # False once the sender thread is past its last step
+        self._fatal: ApiError | None = None
         self._retry_at = 0.0
-        self._backoff_s = 0.5
-        self._replay_others()
-        path = self.spool_dir / f"{self.run_id}.spool.jsonl"
+        self._backoff_s = _FIRST_BACKOFF_S
+        writer = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._spool = SpoolFile.create(self.spool_dir / self.run_id, writer)
         try:
-            self._spool = _Spool(path)
-        except BlockingIOError:
-            raise RuntimeError(f"spool {path} is held by another live ApiCallback for run "
-                               f"{self.run_id}; close that one first") from None
-        self._try_drain()
+            # a new attempt reports: what an earlier one left as the run's final state must
+            # not be applied to this one (its spool, held from now on, keeps the run open)
+            supersede_finish(self.spool_dir, self.run_id, wait_s=0.0)
+        except BaseException:
+            self._spool.close()
+            raise
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"crucible-reporter-{self.run_id[:8]}")
+        self._sender.start()
 
-    # ------------------------------------------------------------ Callback protocol
+    # ------------------------------------------------------------ Callback protocol (trainer)
 
     def metric(self, item: Metric) -> None:
+        self._check_open()
         self._metrics.append(item.to_dict())
-        self._maybe_send()
+        self._maybe_hand_over()
 
     def event(self, item: Event) -> None:
+        self._check_open()
         self._events.append(item.to_dict())
-        self._maybe_send()
+        self._maybe_hand_over()
 
     def flush(self) -> None:
-        """Everything received so far is stored by the API or fsynced to the spool."""
-        self._send_buffers()
+        """Hand everything received so far to the sender (or to the spool when the queue is
+        full); never waits for the API. Raises the `ApiError` of a refused token."""
+        self._hand_over()
 
     def close(self) -> None:
-        """Flush, then keep retrying the spool until it drains or `close_timeout_s` passes."""
-        self._send_buffers()
-        deadline = time.monotonic() + self.close_timeout_s
-        while self._spool.pending() and time.monotonic() < deadline:
-            self._retry_at = 0.0
-            if not self._try_drain():
-                time.sleep(min(self._backoff_s, max(0.0, deadline - time.monotonic())))
-        if self._spool.pending():
-            _log.warning("registry unreachable: %s keeps undelivered records for the next run",
-                         self._spool.path)
-        self._spool.close()
+        """Hand the rest over, let the sender deliver for at most `close_timeout_s`, then leave
+        whatever is undelivered - queued, in flight, held by a sender that failed - in the
+        spool (`owed_records` says how many records) for the next replay. Idempotent; raises
+        the `ApiError` of a refused token, and the OSError of a spool that cannot be written
+        (the records it could not take are counted in `owed_records` and logged)."""
+        if self._closed:
+            return
+        try:
+            self._hand_over()
+        finally:
+            self._closed = True
+            self._stop_sender()
+        self._raise_fatal()
+
+    def wait_handled(self, timeout_s: float) -> bool:
+        """Block until every batch handed over so far is stored by the API or in the spool, or
+        `timeout_s` passes; True when it is. The trainer never calls it (tests and callers
+        that want a barrier do)."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not (self._queue or self._in_flight),
+                                       timeout=timeout_s)
 
     @property
     def spooled(self) -> bool:
         """True while undelivered batches wait in the spool."""
-        return self._spool.pending()
+        with self._lock:
+            if self.owed_records is not None:     # closed
+                return self.owed_records > 0
+            return self._spool.pending()
 
-    # ------------------------------------------------------------ internals
+    # ------------------------------------------------------------ training thread
 
-    def _maybe_send(self) -> None:
+    def _maybe_hand_over(self) -> None:
         full = max(len(self._metrics), len(self._events)) >= self.batch_size
-        due = time.monotonic() - self._last_send >= self.flush_interval_s
-        if full or due:
-            self._send_buffers()
+        if full or time.monotonic() - self._last_hand_over >= self.flush_interval_s:
+            self._hand_over()
 
-    def _records(self) -> Iterator[dict[str, Any]]:
-        for kind, buffer in (("metrics", self._metrics), ("events", self._events)):
-            for start in range(0, len(buffer), self.batch_size):
-                yield {"run_id": self.run_id, "kind": kind,
-                       "items": buffer[start:start + self.batch_size]}
+    def _hand_over(self) -> None:
+        self._check_open()
+        self._last_hand_over = time.monotonic()
+        records = list(_batches(self.run_id, self._metrics, self._events, self.batch_size))
         self._metrics, self._events = [], []
+        if records:
+            with self._wake:
+                try:
+                    while records:
+                        if len(self._queue) < self.queue_batches and self._sender_running:
+                            self._queue.append(records[0])
+                        else:       # the queue is full (or no sender): spill, a local fsync
+                            self._spool.append(records[0])
+                        records.pop(0)
+                finally:
+                    # a failed spill (disk full) raises here; close() spools the rest again
+                    self._queue.extend(records)
+                    self._wake.notify_all()
+        self._raise_fatal()     # after the hand-over: a refused token never costs a record
 
-    def _send_buffers(self) -> None:
-        self._last_send = time.monotonic()
-        for record in self._records():
-            if self._spool.pending() and not self._try_drain():
-                self._spool.append(record)  # queue behind older batches, in order
-                continue
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"ApiCallback of run {self.run_id} is closed")
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _stop_sender(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._deadline = time.monotonic() + self.close_timeout_s
+            self._wake.notify_all()
+        self._sender.join(timeout=self.close_timeout_s)
+        with self._wake:
+            # stuck on the network: take the spool back. Alive or not, whatever the sender
+            # still holds is spooled (a batch in flight too: if its request still succeeds,
+            # the replay re-sends it harmlessly)
+            self._taken_back = self._sender.is_alive()
             try:
-                self._send(record, retries=None)
-            except ApiUnavailable as exc:
-                _log.warning("registry unreachable (%s); spooling to %s", exc, self._spool.path)
-                self._spool.append(record)
-                self._schedule_retry()
-            except ApiError as exc:
-                if exc.status_code in (401, 403):
-                    self._spool.append(record)  # kept for when the token is fixed
-                    raise
-                self._spool.reject(record, exc)
+                self._spool_held()
+            finally:
+                unspooled = sum(len(r["items"]) for r in [*self._in_flight, *self._queue])
+                self.owed_records = self._spool.owed() + unspooled
+                path = self._spool.path
+                self._spool.close()
+                self._wake.notify_all()
+        if unspooled:
+            _log.error("registry: %d records of run %s could not be written to %s; they are "
+                       "lost unless the run is resumed (its metrics.jsonl and events.jsonl "
+                       "hold them)", unspooled, self.run_id, path)
+        elif self.owed_records:
+            _log.warning("registry: %d records of run %s not delivered yet; kept in %s for the "
+                         "next replay (`crucible api replay`)", self.owed_records, self.run_id,
+                         path)
 
-    def _send(self, record: dict[str, Any], *, retries: int | None) -> None:
-        post = self.client.post_metrics if record["kind"] == "metrics" else \
-            self.client.post_events
-        post(record["run_id"], record["items"], retries=retries)
+    def _spool_held(self) -> None:
+        """Move the batches in flight and queued to the spool (call with the lock held), each
+        one only once its append returned: a failed append (disk full) raises and keeps the
+        rest where they were, for the next try."""
+        while self._in_flight:
+            self._spool.append(self._in_flight[0])
+            self._in_flight.pop(0)
+        while self._queue:
+            self._spool.append(self._queue[0])
+            self._queue.popleft()
+
+    # ------------------------------------------------------------ sender thread
+
+    def _send_loop(self) -> None:
+        try:
+            try:
+                self._replay_others()
+            except Exception:   # noqa: BLE001 - the run's own records matter more
+                _log.exception("registry: replaying earlier spools under %s failed; they stay "
+                               "for the next replay", self.spool_dir)
+            while True:
+                try:
+                    if not self._round():
+                        return
+                except Exception:   # noqa: BLE001 - never die: every record is kept
+                    if not self._recover():
+                        return
+        finally:
+            with self._wake:
+                self._sender_running = False    # from now on hand-overs spill to the spool
+                self._wake.notify_all()
+
+    def _recover(self) -> bool:
+        """After an unexpected error (not an ApiError): log it, spool what the sender held,
+        back off, go on. False once there is nothing left to do (closing, out of time)."""
+        with self._wake:
+            if self._taken_back:     # close() spooled everything; its client may be gone
+                return False
+            _log.exception("registry sender of run %s: unexpected error; its batches go to %s "
+                           "and it goes on", self.run_id, self._spool.path)
+            self._schedule_retry()
+            try:
+                self._spool_held()
+            except OSError:
+                _log.exception("registry sender of run %s: cannot spool to %s; its batches "
+                               "stay in memory and are tried again", self.run_id,
+                               self._spool.path)
+            if self._stopping and self._past_deadline():
+                return False
+            until = self._retry_at if self._deadline is None else min(self._retry_at,
+                                                                      self._deadline)
+            self._wake.wait(timeout=max(0.0, until - time.monotonic()))
+        return True
+
+    def _replay_others(self) -> None:
+        """Replay what earlier reporters left under the spool root (until close's deadline);
+        a refused token is raised on the training thread like one refused for this run."""
+        try:
+            report = replay_spools(self.client, self.spool_dir, retries=0,
+                                   exclude=frozenset({self._spool.path}),
+                                   should_stop=self._past_deadline)
+        except ApiError as exc:     # 401/403: nothing else escapes a replay
+            self._fatal = exc
+            return
+        if report.finished:
+            _log.info("registry: recorded the final state of %d earlier run(s)",
+                      len(report.finished))
+        if report.unreachable:
+            _log.info("registry unreachable; earlier spools stay for the next replay")
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _round(self) -> bool:
+        """Take the queued batches, deliver them, retry the spool when due; False once closing
+        is done (nothing queued, and the spool empty or the deadline passed)."""
+        with self._wake:
+            while not (self._queue or self._in_flight or self._stopping or self._spool_due()):
+                self._wake.wait(timeout=self._retry_wait())
+            # batches left in flight by an unexpected error that could not be spooled go first
+            self._in_flight = self._merged([*self._in_flight, *self._queue])
+            self._queue.clear()
+            in_flight, stopping = list(self._in_flight), self._stopping
+        for record in in_flight:
+            self._deliver(record)
+        self._try_drain()
+        if not stopping:
+            return True
+        with self._wake:
+            if self._taken_back:
+                return False
+            if self._queue:
+                return True
+            if not self._pending() or self._past_deadline() or self._fatal is not None:
+                return False    # done, out of time, or the token is refused: no use waiting
+            # closing with a non-empty spool: wait for the next retry (or the deadline)
+            assert self._deadline is not None
+            self._wake.wait(timeout=max(0.0, min(self._retry_at, self._deadline)
+                                        - time.monotonic()))
+        return True
+
+    def _merged(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Queued batches re-cut into as few as possible (fewer requests when behind)."""
+        if len(records) < 2:
+            return records
+        metrics = [item for r in records if r["kind"] == "metrics" for item in r["items"]]
+        events = [item for r in records if r["kind"] == "events" for item in r["items"]]
+        return list(_batches(self.run_id, metrics, events, self.batch_size))
+
+    def _pending(self) -> bool:
+        """The spool holds undelivered batches (call with the lock held); False once close()
+        took it back: the sender then has nothing left to do."""
+        return not self._taken_back and self._spool.pending()
+
+    def _spool_due(self) -> bool:
+        return self._pending() and time.monotonic() >= self._retry_at
+
+    def _retry_wait(self) -> float | None:
+        if not self._pending():
+            return None
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def _deliver(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._taken_back:
+                return
+            behind = self._spool.pending()
+        if behind and not self._try_drain():
+            self._done(record, spool=True)    # queue behind older batches, in order
+            return
+        try:
+            send_record(self.client, record, retries=None)
+        except ApiUnavailable as exc:
+            _log.warning("registry unreachable (%s); spooling to %s", exc, self._spool.path)
+            self._schedule_retry()
+            self._done(record, spool=True)
+        except ApiError as exc:
+            if exc.status_code in (401, 403):
+                self._fatal = exc
+                self._done(record, spool=True)    # kept for when the token is fixed
+            else:
+                self._done(record, refused=exc)
+        else:
+            self._done(record)
+
+    def _done(self, record: dict[str, Any], *, spool: bool = False,
+              refused: ApiError | None = None) -> None:
+        """A batch in flight is stored, spooled or refused: one step under the lock, so that
+        close() sees it either in flight or settled, never both or neither."""
+        with self._wake:
+            if self._taken_back:
+                return
+            if spool:       # raises when it fails (disk full): the batch stays in flight
+                self._spool.append(record)
+            elif refused is not None:
+                self._spool.reject(json.dumps(record).encode("utf-8"), refused)
+            self._in_flight = [r for r in self._in_flight if r is not record]
+            self._wake.notify_all()
 
     def _try_drain(self) -> bool:
-        """One throttled attempt to replay the spool; True when it is empty afterwards."""
-        if not self._spool.pending():
-            return True
+        """One throttled replay of this callback's own spool; True when it is empty after."""
+        with self._lock:
+            if not self._pending():
+                return True
         if time.monotonic() < self._retry_at:
             return False
         try:
-            self._spool.drain(lambda record: self._send(record, retries=0))
+            drain(self._spool, lambda r: send_record(self.client, r, retries=0),
+                  guard=lambda: self._lock, owned=lambda: not self._taken_back)
         except ApiUnavailable:
             self._schedule_retry()
             return False
-        self._backoff_s = 0.5
-        _log.info("registry reachable again; spool %s replayed", self._spool.path)
-        return True
+        except ApiError as exc:     # 401/403: a token problem, the spool waits for a fix
+            self._fatal = exc
+            self._schedule_retry()
+            return False
+        self._backoff_s = _FIRST_BACKOFF_S
+        with self._lock:
+            return not self._pending()
 
     def _schedule_retry(self) -> None:
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-
-    def _replay_others(self) -> None:
-        """Replay spools left by earlier callbacks on this folder that nobody holds now."""
-        for path in sorted(self.spool_dir.glob("*.spool.jsonl")):
-            if path.name == f"{self.run_id}.spool.jsonl":
-                continue
-            try:
-                spool = _Spool(path)
-            except BlockingIOError:
-                continue  # a live callback owns it
-            try:
-                spool.drain(lambda record: self._send(record, retries=0))
-            except ApiUnavailable:
-                _log.warning("registry unreachable; %s stays spooled", path)
-            finally:
-                spool.close()

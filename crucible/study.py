@@ -1566,6 +1566,21 @@ def render(spec: Spec, *, check: bool = False, figures: bool = True,
 # Command line
 # --------------------------------------------------------------------------------------------
 
+def _check_machine(spec: Spec, *, memory_check: bool = True) -> None:
+    """Refuse (ConfigError) a spec whose cells this machine cannot run (device, memory estimate
+    of one run), before any run starts; each cell's `crucible run` checks again for itself."""
+    from crucible.config import apply_overrides
+    from crucible.preflight import check_machine
+    from crucible.presets import get_preset
+
+    base, seen = get_preset(spec.preset), set()
+    for cell in expand_cells(spec):
+        config = apply_overrides(base, [o for o in cell.overrides() if not o.startswith("seed=")])
+        if config.to_json() not in seen:
+            seen.add(config.to_json())
+            check_machine(config, memory_check=memory_check)
+
+
 def _parse_seeds(text: str | None, spec: Spec) -> list[int] | None:
     if text is None:
         return None
@@ -1602,6 +1617,9 @@ def register(app: Any) -> None:
         limit: int | None = typer.Option(None, "--limit", help="run at most N missing cells "
                                                                "this sitting"),
         dry_run: bool = typer.Option(False, "--dry-run", help="list the cells that would run"),
+        skip_memory_check: bool = typer.Option(
+            False, "--skip-memory-check", help="start runs whatever their memory estimate "
+                                               "(passed on to each `crucible run`)"),
     ) -> None:
         """Run the cells of SPEC that have no result file yet, JOBS at a time.
 
@@ -1617,11 +1635,17 @@ def register(app: Any) -> None:
         signal.signal(signal.SIGTERM, stop)
         if limit is not None and limit < 1:
             raise fail(f"--limit must be >= 1, got {limit}")
+        from crucible.config import ConfigError
+
         try:
             spec = load_spec(spec_path)
+            if not dry_run:
+                _check_machine(spec, memory_check=not skip_memory_check)
+            command = ((lambda spec, cell: [*run_command(spec, cell), "--skip-memory-check"])
+                       if skip_memory_check else None)
             outcome = run_study(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec), limit=limit,
-                                dry_run=dry_run, echo=typer.echo)
-        except StudyError as exc:
+                                dry_run=dry_run, echo=typer.echo, command=command)
+        except (StudyError, ConfigError) as exc:
             raise fail(str(exc)) from None
         if outcome.interrupted:
             raise typer.Exit(code=130)

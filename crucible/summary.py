@@ -65,6 +65,7 @@ class RunCounters:
     made: int = 0
     missed: int = 0
     rejected: int = 0
+    manifests_rejected: int = 0
     bytes_forward: int = 0
     bytes_backward: int = 0
     bytes_rerouted: int = 0
@@ -113,6 +114,9 @@ class RunCounters:
             for replica, reason in sorted(result.rejected.items()):
                 callback.event(Event("contribution_rejected", global_step, replica=replica,
                                      stage=result.stage, detail={"reason": reason}))
+            self.manifests_rejected += len(result.manifest_events)
+            for event in result.manifest_events:
+                callback.event(event)
 
     def summary(self, config: Config, *, plan: FaultPlan, tokens_budget: int, global_steps: int,
                 synced_params: int) -> dict[str, Any]:
@@ -132,6 +136,7 @@ class RunCounters:
             "budget_met": self.tokens_processed >= tokens_budget,
             "inner_steps": self.inner_steps.tolist(),
             "contributions": {"made": self.made, "missed": self.missed, "rejected": self.rejected},
+            "manifests_rejected": self.manifests_rejected,
             "skipped_outer_steps": self.skipped_outer_steps,
             "bytes": {
                 "boundary_forward": self.bytes_forward,

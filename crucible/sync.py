@@ -6,6 +6,12 @@ uploads it; the agreed set is fixed once in a manifest; every peer aggregates ex
 the outer SGD step updates the global weights; every replica of the stage, including a passive
 (failed) one, takes the new global weights. `ddp` has no outer round: its gradients are averaged
 every inner step, and here only the global copy is refreshed.
+
+What the gather is told (`crucible.gather`): the replicas the fault plan has training the stage
+(any object in another replica's slot is rejected), the run's tag (written into every blob's
+header), the exact size of a valid blob of the stage (a larger object is refused unread) and
+`sparseloco.max_norm_ratio`. With `store.keep_rounds` = N > 0 the objects of rounds older than
+the last N are deleted after each round.
 """
 from __future__ import annotations
 
@@ -18,15 +24,19 @@ import torch
 from crucible import boundary
 from crucible.config import Config
 from crucible.errors import TrainingDiverged
-from crucible.gather import agree, load_agreed, upload_contribution
+from crucible.events import Event
+from crucible.gather import agree, load_agreed, manifest_events, prune_rounds, upload_contribution
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import (
     OuterSGD,
     aggregate,
+    contribution_bytes,
     decode_contribution,
     decode_contributions,
     decode_dense,
+    dense_bytes,
     encode_dense,
+    run_tag,
 )
 from crucible.sparseloco.codec import encode_contributions_batched
 from crucible.store import Store
@@ -45,6 +55,7 @@ class StageSyncResult:
     upload_bytes: int = 0
     dense_bytes: int = 0
     applied: bool = False
+    manifest_events: list[Event] = field(default_factory=list)  # manifest_rejected events
 
 
 class OuterSync:
@@ -53,9 +64,14 @@ class OuterSync:
     def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str) -> None:
         self.config, self.model, self.store, self.run_key = config, model, store, run_key
         self.method = config.sparseloco.method
+        self.run_tag = run_tag(run_key)
         S, R = config.pipeline.stages, config.replicas
         self.global_weights = [model.replica_weights(replica=0, stage=s) for s in range(S)]
         self.shapes = [{n: tuple(t.shape) for n, t in w.items()} for w in self.global_weights]
+        sl = config.sparseloco
+        self.max_blob_bytes = [dense_bytes(shapes) if self.method == "diloco" else
+                               contribution_bytes(shapes, chunk=sl.chunk, topk=sl.topk)
+                               for shapes in self.shapes]
         # error buffers (R, ...) per stage and parameter, fp32, on the training device
         self.errors = [{n: torch.zeros((R, *t.shape), dtype=torch.float32, device=t.device)
                         for n, t in w.items()} for w in self.global_weights]
@@ -81,13 +97,19 @@ class OuterSync:
                 results.append(self._ddp_refresh(stage, contributes[:, stage]))
             else:
                 results.append(self._sync_stage(global_step, stage, contributes[:, stage]))
+        keep = self.config.store.keep_rounds
+        if keep and self.method != "ddp":
+            prune_rounds(self.store, self.run_key, keep_from=global_step + 1 - keep)
         return results
 
     def _sync_stage(self, global_step: int, stage: int, contributes: torch.Tensor) -> StageSyncResult:
         result = StageSyncResult(stage=stage)
         dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
         made = [r for r in range(self.config.replicas) if bool(contributes[r])]
-        result.missing = [r for r in range(self.config.replicas) if r not in made]
+        idle = {r: (f"the run's fault plan has replica {r} idle at stage {stage} in global step "
+                    f"{global_step} (down, or dropped with its replica): it trained nothing, so "
+                    "this object is not its contribution")
+                for r in range(self.config.replicas) if r not in made}
         started = time.perf_counter()
         blobs = self._encode(global_step, stage, made) if made else []
         self.codec_s["encode"] += time.perf_counter() - started
@@ -97,10 +119,14 @@ class OuterSync:
             result.upload_bytes += len(blob)
             result.dense_bytes += dense_per
         decode = self._decoder(global_step, stage)
-        manifest = agree(self.store, self.run_key, global_step, stage,
-                         expected_replicas=self.config.replicas, decode=decode,
-                         decode_many=self._batch_decoder(global_step, stage))
+        manifest = agree(self.store, self.run_key, global_step, stage, expected_replicas=made,
+                         idle=idle, decode=decode, max_blob_bytes=self.max_blob_bytes[stage],
+                         decode_many=self._batch_decoder(global_step, stage),
+                         max_norm_ratio=self.config.sparseloco.max_norm_ratio)
+        result.missing = sorted(set(idle) | set(manifest.missing))
         result.rejected = {r.replica: r.reason for r in manifest.rejected}
+        result.manifest_events = [e for e in manifest_events(manifest)
+                                  if e.kind == "manifest_rejected"]
         contributions = load_agreed(self.store, manifest, decode)
         if contributions:
             mode = self.config.sparseloco.aggregate
@@ -131,7 +157,7 @@ class OuterSync:
         if self.method == "diloco":
             try:
                 return [encode_dense({n: d[i] for n, d in delta.items()}, stage=stage,
-                                     replica=r, global_step=global_step)
+                                     replica=r, global_step=global_step, run_tag=self.run_tag)
                         for i, r in enumerate(replicas)]
             except ValueError as exc:
                 raise TrainingDiverged(str(exc)) from exc
@@ -141,7 +167,7 @@ class OuterSync:
         try:
             blobs, new_error = encode_contributions_batched(
                 delta, error, beta=sl.beta, stage=stage, replicas=replicas,
-                global_step=global_step, chunk=sl.chunk, topk=sl.topk)
+                global_step=global_step, chunk=sl.chunk, topk=sl.topk, run_tag=self.run_tag)
         except ValueError as exc:  # a non-finite pseudo-gradient: the replica diverged
             raise TrainingDiverged(str(exc)) from exc
         for n, buf in errors.items():

@@ -24,12 +24,13 @@ import torch
 
 from crucible import boundary
 from crucible.bypass import MODEL_FILE, save_global_weights
-from crucible.checkpoint import load_latest, save_checkpoint
-from crucible.config import Config
+from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
+from crucible.config import Config, ConfigError
 from crucible.data import TokenData, check_token_budget, load_tokens
 from crucible.errors import TrainingDiverged
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
+from crucible.ids import validate_id
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
 from crucible.pipeline import ReplicatedPipeline
 from crucible.presets import tokens_per_global_step
@@ -54,7 +55,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is available; use auto or cpu")
+        raise ConfigError("train.device=cuda but no CUDA device is available here; use "
+                          "train.device=auto (the GPU when there is one) or cpu")
     return torch.device(name)
 
 
@@ -355,7 +357,8 @@ class Trainer:
         wall = self.counters.wall_s
         self.counters.wall_s = wall + time.perf_counter() - started
         save_checkpoint(self.store, self.run_key, global_step=self.next_step,
-                        config_json=self.config.to_json(), state=self.state_dict())
+                        config_json=self.config.to_json(), state=self.state_dict(),
+                        keep=self.config.train.keep_checkpoints)
         self.counters.wall_s = wall
 
     def state_dict(self) -> dict[str, Any]:
@@ -365,6 +368,20 @@ class Trainer:
                 "sync": self.sync.state_dict(), "data": self.data.state_dict(),
                 "counters": self.counters.state_dict(), "plan": self.plan.to_list(),
                 "next_step": self.next_step}
+
+    def resume(self) -> int | None:
+        """Load the newest good checkpoint of the run, if any; returns its global step. A newer
+        checkpoint that fails its checks is skipped with a `checkpoint_rejected` event. Raises
+        CheckpointError when checkpoints exist and none is usable."""
+        found = load_latest(self.store, self.run_key, config_json=self.config.to_json(),
+                            max_bytes=checkpoint_limit(self.state_dict()))
+        if found is None:
+            return None
+        for step, key, reason in found.skipped:
+            self.callback.event(Event("checkpoint_rejected", step, detail={
+                "key": key, "reason": reason, "resumed_from": found.global_step}))
+        self.load_state_dict(found.state)
+        return found.global_step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -398,9 +415,12 @@ def _run_identity(out_dir: Path, config: Config, resume: bool,
     path = out_dir / "run.json"
     if resume and path.exists() and run_key is None:
         ident = json.loads(path.read_text())
-        return ident["run_key"], ident["store_url"]
+        # the run key is a store prefix: an edited run.json must not reach outside the run
+        return validate_id(ident["run_key"], field=f"run_key in {path}"), ident["store_url"]
     store_url = config.store.url or (out_dir / "store").resolve().as_uri()
-    ident = {"run_key": run_key or f"run-{uuid.uuid4().hex[:12]}", "store_url": store_url}
+    run_key = f"run-{uuid.uuid4().hex[:12]}" if run_key is None else validate_id(
+        run_key, field="run_key")
+    ident = {"run_key": run_key, "store_url": store_url}
     write_json_atomic(path, ident)
     return ident["run_key"], ident["store_url"]
 
@@ -421,12 +441,18 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     store = open_store(store_url, endpoint_url=config.store.endpoint_url, region=config.store.region)
     sinks = JsonlCallback(out)
     sink: Callback = MultiCallback(sinks, callback) if callback is not None else sinks
+    files, size = store.remove_temporaries(f"{run_key}/")
+    if files:  # left by a run killed mid-write; no writer of this run is alive now
+        log.info("removed %d temporary files (%d bytes) of interrupted writes under %s",
+                 files, size, run_key)
     trainer = Trainer(config, store=store, run_key=run_key, callback=sink, plan=plan)
     if resume:
-        found = load_latest(store, run_key, config_json=config.to_json())
-        if found is not None:
-            trainer.load_state_dict(found[1])
-            log.info("resumed %s from global step %d", run_key, found[0])
+        step = trainer.resume()
+        if step is not None:
+            log.info("resumed %s from global step %d", run_key, step)
+        if callback is not None:
+            # what a killed reporter held in memory is in the run's files: send it again
+            log.info("re-sent %d records of the interrupted run", sinks.resend(callback))
     try:
         with _progress(progress) as bar:
             task = bar.add_task("training", total=config.train.global_steps,

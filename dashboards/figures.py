@@ -441,6 +441,8 @@ def _token_share(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dic
     baselines: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
         budget, done, p = run.get("tokens_budget"), run.get("tokens_processed"), run.get("p")
+        if run.get("owed_records"):    # records still owed: not a finished data point yet
+            continue
         if not (_finite(budget) and budget > 0 and _finite(done) and _finite(p)):
             continue
         share = 100.0 * done / budget
@@ -461,7 +463,7 @@ def token_accounting(runs: Sequence[Mapping[str, Any]]) -> go.Figure:
     """Tokens processed as a share of the token budget vs failure rate, per arm x strategy.
 
     Input: run dicts (compression, strategy, p, tokens_budget, tokens_processed); unfinished runs
-    (no tokens) are left out. Mean over seeds; 100% = the no-failure budget.
+    (no tokens, or records still owed) are left out. Mean over seeds; 100% = the no-failure budget.
     """
     title = "Token accounting: tokens processed vs budget"
     shares = _token_share(runs)
@@ -496,6 +498,8 @@ def bytes_sent(runs: Sequence[Mapping[str, Any]]) -> go.Figure:
     title = "Communication: megabytes sent per run, by compression arm"
     totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
+        if run.get("owed_records"):    # records still owed: not a finished data point yet
+            continue
         counters = (run.get("summary") or {}).get("bytes") or {}
         for kind, _label in BYTE_KINDS:
             if _finite(counters.get(kind)):

@@ -104,6 +104,23 @@ def _banner(kind: str, text: str) -> str:
     return f'<div class="banner {kind}" role="status">{text}</div>'
 
 
+def _owed(run: Mapping[str, Any]) -> int:
+    """Records the run's reporter still holds (the registry has not got them): such a run is
+    incomplete whatever its status says."""
+    owed = run.get("owed_records")
+    return owed if isinstance(owed, int) and owed > 0 else 0
+
+
+def _finished(run: Mapping[str, Any]) -> bool:
+    return run.get("status") in _DONE and not _owed(run)
+
+
+def _status_text(run: Mapping[str, Any]) -> str:
+    owed = _owed(run)
+    status = _esc(run.get("status"))
+    return f"{status} · owes {owed:,} records" if owed else status
+
+
 def _pct(value: Any) -> str:
     return f"{100.0 * value:g}%" if isinstance(value, (int, float)) else "—"
 
@@ -119,7 +136,7 @@ def _num(value: Any, spec: str) -> str:
 def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
                    runs: Sequence[Mapping[str, Any]]) -> list[str]:
     banners = []
-    finished = sum(1 for r in runs if r.get("status") in _DONE)
+    finished = sum(1 for r in runs if _finished(r))
     pending = int(robustness.get("pending_runs") or 0)
     running = sweep.get("status") in {"pending", "running"} or pending > 0
     if not runs:
@@ -129,6 +146,13 @@ def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
         banners.append(_banner("info", f"This sweep is still running: <b>{finished} of "
                                        f"{len(runs)}</b> runs finished. The figures show what "
                                        "is done so far; reload to see progress."))
+    owing = [r for r in runs if _owed(r)]
+    if owing:
+        banners.append(_banner("warn", f"{len(owing)} run(s) still owe records to the registry "
+                                       f"({sum(_owed(r) for r in owing):,} in all: their "
+                                       "reporter could not deliver them yet). They count as "
+                                       "unfinished and are left out of the numbers until the "
+                                       "records arrive (<code>crucible api replay</code>)."))
     failed = [r for r in runs if r.get("status") == "failed"]
     if failed:
         banners.append(_banner("error", f"{len(failed)} run(s) failed and are left out of the "
@@ -167,12 +191,12 @@ def _runs_table(runs: Sequence[Mapping[str, Any]], run_href: RunHref | None) -> 
         run_id = str(run.get("id"))
         link = (f'<a href="{_esc(run_href(run_id))}">{_esc(run_id[:8])}</a>' if run_href
                 else f"<code>{_esc(run_id[:8])}</code>")
-        status = _esc(run.get("status"))
+        status = "running" if _owed(run) else _esc(run.get("status"))
         rows.append(
             f"<tr><td>{_esc(arm_label(str(run.get('compression'))))}</td>"
             f"<td>{_esc(run.get('strategy'))}</td><td class=num>{_pct(run.get('p'))}</td>"
             f"<td class=num>{_esc(run.get('seed'))}</td>"
-            f'<td class="status-{status}">{status}</td>'
+            f'<td class="status-{status}">{_status_text(run)}</td>'
             f"<td class=num>{_num(run.get('final_val_loss'), '.4f')}</td>"
             f"<td class=num>{_relative(run, finals)}</td><td class=num>{share}</td>"
             f"<td>{link}</td></tr>")
@@ -190,7 +214,7 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
     sweep, runs = view.get("sweep") or {}, list(view.get("runs") or [])
     robustness = view.get("robustness") or {}
     name = sweep.get("name") or sweep.get("id")
-    finished = sum(1 for r in runs if r.get("status") in _DONE)
+    finished = sum(1 for r in runs if _finished(r))
     parts = [
         f"<h1>Sweep: {_esc(name)}</h1>",
         f'<p class="meta">id <code>{_esc(sweep.get("id"))}</code> · status '
@@ -255,7 +279,7 @@ def _run_facts(run: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> st
     rel = (f"{100.0 * (final - base_final) / base_final:+.2f}%"
            if isinstance(final, (int, float)) and base_final else "—")
     budget, done = run.get("tokens_budget"), run.get("tokens_processed")
-    facts = [("status", _esc(run.get("status"))),
+    facts = [("status", _status_text(run)),
              ("initial val loss", _num(run.get("initial_val_loss"), ".4f")),
              ("final val loss", _num(final, ".4f")),
              ("baseline final val loss", _num(base_final, ".4f")),
@@ -283,7 +307,13 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
         nav = f'<nav><a href="{_esc(sweep_href(str(run["sweep_id"])))}">&larr; sweep</a></nav>'
     parts = [nav, f"<h1>Run: {_esc(_run_title(run))}</h1>",
              f'<p class="meta">id <code>{_esc(run.get("id"))}</code></p>']
-    if run.get("status") in {"pending", "running"}:
+    if _owed(run):
+        parts.append(_banner("warn", f"<b>Incomplete.</b> This run owes {_owed(run):,} records "
+                                     "to the registry: its reporter could not deliver them yet "
+                                     "(they wait in its spool). The figures miss them, and the "
+                                     "run is not counted as finished until they arrive "
+                                     "(<code>crucible api replay</code>)."))
+    elif run.get("status") in {"pending", "running"}:
         parts.append(_banner("info", "This run is still in progress; figures show what has been "
                                      "recorded so far."))
     if baseline is None and (run.get("p") or 0) > 0:

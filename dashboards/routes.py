@@ -3,8 +3,9 @@
 Mounted by the registry app (`api.app` includes `router`). Pages read through
 `dashboards.queries` (the registry's data-access functions) and render with `dashboards.pages`.
 An unknown or malformed id answers a 404 HTML page (a browser user gets a page, not JSON).
-plotly.js is served from the installed plotly package, so pages work on a network with no
-internet; it is cached by the browser for a day.
+With `reads_require_token`, a browser without a session is sent to /login (303) and comes back
+after signing in (`api.routes.login`). plotly.js is served from the installed plotly package, so
+pages work on a network with no internet; it is cached by the browser for a day.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse
 
-from api.deps import ReadAuthDep, SessionDep
-from api.errors import NotFoundError
+from api.deps import PageAuthDep, ReadAuthDep, SessionDep
+from api.errors import NotFoundError, error_responses
 from dashboards import pages, queries
 
 __all__ = ["router", "SWEEP_PATH", "RUN_PATH"]
@@ -24,7 +25,12 @@ __all__ = ["router", "SWEEP_PATH", "RUN_PATH"]
 SWEEP_PATH = "/dashboards/sweeps/{sweep_id}"
 RUN_PATH = "/dashboards/runs/{run_id}"
 
-router = APIRouter(tags=["dashboards"], dependencies=[ReadAuthDep])
+router = APIRouter(tags=["dashboards"])
+_PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    303: {"description": "reads require a token and no session was sent: to /login"},
+    404: {"description": "unknown or malformed id (an HTML page)", "content": {"text/html": {}}},
+    **error_responses(422, 503),
+}
 
 
 def _page(kind: str, ident: str, load: Callable[[uuid.UUID], dict[str, Any]],
@@ -42,7 +48,8 @@ def _href(request: Request, route: str, param: str) -> Callable[[str], str]:
 
 
 @router.get(SWEEP_PATH, response_class=HTMLResponse, name="sweep_dashboard",
-            summary="Robustness overview of a sweep (HTML)")
+            summary="Robustness overview of a sweep (HTML)", dependencies=[PageAuthDep],
+            responses=_PAGE_RESPONSES)
 def sweep_dashboard(sweep_id: str, session: SessionDep, request: Request) -> HTMLResponse:
     """Curves, Table 1, token and byte panels, and the runs of a sweep; 404 page if unknown."""
     run_href = _href(request, "run_dashboard", "run_id")
@@ -52,7 +59,8 @@ def sweep_dashboard(sweep_id: str, session: SessionDep, request: Request) -> HTM
 
 
 @router.get(RUN_PATH, response_class=HTMLResponse, name="run_dashboard",
-            summary="Loss vs baseline, fault timeline and config of a run (HTML)")
+            summary="Loss vs baseline, fault timeline and config of a run (HTML)",
+            dependencies=[PageAuthDep], responses=_PAGE_RESPONSES)
 def run_dashboard(run_id: str, session: SessionDep, request: Request) -> HTMLResponse:
     """One run against its baseline; 404 page if unknown."""
     run_href = _href(request, "run_dashboard", "run_id")
@@ -62,7 +70,7 @@ def run_dashboard(run_id: str, session: SessionDep, request: Request) -> HTMLRes
                                              sweep_href=sweep_href, run_href=run_href))
 
 
-@router.get(pages.PLOTLY_JS_URL, include_in_schema=False)
+@router.get(pages.PLOTLY_JS_URL, include_in_schema=False, dependencies=[ReadAuthDep])
 def plotly_js() -> FileResponse:
     """The installed plotly package's own plotly.min.js (no CDN)."""
     return FileResponse(pages.PLOTLY_JS_PATH, media_type="application/javascript",

@@ -97,6 +97,28 @@ def _print_table(table: dict[str, Any], title: str) -> None:
     Console().print(view)
 
 
+def _check_here(spec: Any, work_dir: Path, out: Path | None, *, memory_check: bool) -> None:
+    """The embedded sweep trains here: refuse (ConfigError) a cell this machine cannot run and
+    output locations that cannot be written, before Prefect or the registry start."""
+    from crucible.config import ConfigError
+    from crucible.preflight import check_machine, check_writable_dir
+    from flows.run_flow import resolve_config
+
+    seen: set[str] = set()
+    for cell in spec.cells():
+        config = resolve_config(spec.preset, cell.overrides(spec))
+        key = config.to_json()
+        if key not in seen:
+            seen.add(key)
+            check_machine(config, memory_check=memory_check)
+    check_writable_dir(work_dir, field="--work-dir")
+    if out is not None:
+        check_writable_dir(out.parent, field="folder of --out")
+        if out.is_dir():
+            raise ConfigError(f"--out={str(out)!r} is a folder; give the report's file path, "
+                              "e.g. report.html")
+
+
 def sweep(
     preset: str | None = typer.Option(None, "--preset", help="smoke | small | paper-178m"),
     arms: list[str] = typer.Option([], "--arm", help="compression arm (repeatable): none, ssn, mapl"),
@@ -118,8 +140,16 @@ def sweep(
     out: Path | None = typer.Option(None, "--out", help="report path (default in --work-dir)"),
     torch_threads: int = typer.Option(1, "--torch-threads", min=1,
                                       help="torch threads per run (1 suits a shared CPU)"),
+    skip_memory_check: bool = typer.Option(
+        False, "--skip-memory-check",
+        help="start cells even when their estimated peak memory exceeds what this machine has "
+             "left (docs/OPERATIONS.md, Memory estimate)"),
 ) -> None:
-    """Run a failure sweep through Prefect on the embedded stack, then write its report."""
+    """Run a failure sweep through Prefect on the embedded stack, then write its report.
+
+    Before anything starts, every distinct cell is checked against this machine (device,
+    memory estimate) and --work-dir and --out against the file system: exit 2 naming the
+    option or key."""
     spec = _spec_from_options(demo, {
         "preset": preset, "arms": arms, "strategies": strategies, "failure_probabilities": ps,
         "seeds": seeds, "duration": duration, "global_steps": global_steps,
@@ -128,10 +158,16 @@ def sweep(
     from crucible.config import ConfigError
     from flows.embedded import run_sweep_embedded
 
+    try:
+        _check_here(spec, work_dir, out, memory_check=not skip_memory_check)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     typer.echo(f"sweep {spec.name}: {len(spec.cells())} runs of preset {spec.preset} "
                f"(work folder {work_dir})")
     try:
-        result = run_sweep_embedded(spec, work_dir, out, torch_threads=torch_threads)
+        result = run_sweep_embedded(spec, work_dir, out, torch_threads=torch_threads,
+                                    skip_memory_check=skip_memory_check)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None

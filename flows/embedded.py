@@ -145,16 +145,20 @@ class SweepReport:
 
 
 def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None = None,
-                       *, torch_threads: int | None = 1) -> SweepReport:
+                       *, torch_threads: int | None = 1,
+                       skip_memory_check: bool = False) -> SweepReport:
     """Run `spec` through the `failure-sweep` flow on the embedded stack and write the offline
     dashboard (default `<work_dir>/report-<sweep>.html`). The report is written even when some
-    cells failed; a sweep that never registered raises the flow's error."""
+    cells failed; a sweep that never registered raises the flow's error. `skip_memory_check`
+    lets cells start whatever their memory estimate (FlowSettings.skip_memory_check)."""
     from crucible.reporting import ApiClient
     from dashboards.export import write_report
     from flows.sweep_flow import failure_sweep, find_sweep
 
     work_dir = work_dir.resolve()
     threads = {"CRUCIBLE_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
+    if skip_memory_check:
+        threads["CRUCIBLE_SKIP_MEMORY_CHECK"] = "true"
     with embedded_registry(work_dir) as registry, embedded_prefect(work_dir), \
             flow_environment(registry.api_url, registry.token, work_dir, extra=threads):
         state = failure_sweep(spec=spec, return_state=True)

@@ -2,10 +2,11 @@
 
 Transient: the network (httpx transport errors, 5xx answers, connection resets, the registry
 client's `ApiUnavailable` after its own retries), the object store
-(`crucible.store.TransientStoreError`), a database that is briefly away, and a simulated worker
-crash. Deterministic: a bad config (`ConfigError`), a diverged run (`TrainingDiverged`), and
-anything else we do not recognise - retrying an unknown error would only repeat it, so the
-default is "do not retry".
+(`crucible.store.TransientStoreError`), a database that is briefly away, memory that other runs
+hold for now (`crucible.memory.MemoryBusy`: the run would fit the machine alone), and a
+simulated worker crash. Deterministic: a bad config (`ConfigError`), a diverged run
+(`TrainingDiverged`), and anything else we do not recognise - retrying an unknown error would
+only repeat it, so the default is "do not retry".
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def _transient_types() -> tuple[type[BaseException], ...]:
         types.append(ApiUnavailable)
     except ImportError:
         pass
+    from crucible.memory import MemoryBusy  # no torch: importable wherever flows run
+    types.append(MemoryBusy)
     try:
         from sqlalchemy.exc import OperationalError
         types.append(OperationalError)

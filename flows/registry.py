@@ -4,7 +4,6 @@ Kept in one place so the flows do not repeat how `crucible.reporting` is constru
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from crucible.events import Callback
@@ -20,9 +19,9 @@ def make_client(settings: FlowSettings) -> Any:
     return ApiClient(settings.api_url, settings.api_token)
 
 
-def make_callback(settings: FlowSettings, run_id: str, *, spool_dir: Path) -> Callback:
-    """The registry callback of run `run_id`: batches to the API, spools to `spool_dir` while the
-    API is unreachable, replays the spool on reconnect."""
+def make_callback(settings: FlowSettings, run_id: str) -> Callback:
+    """The registry callback of run `run_id`: sends from a background thread, spools under
+    `settings.spool_root` while the API is unreachable, replays every spool there."""
     from crucible.reporting import ApiCallback
 
-    return ApiCallback(make_client(settings), run_id, spool_dir=spool_dir)
+    return ApiCallback(make_client(settings), run_id, spool_dir=settings.spool_root)

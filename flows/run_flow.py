@@ -1,9 +1,18 @@
 """The `train-run` flow: one training run, registered with the API, reported through it, resumable.
 
-Recipe: resolve the config (preset + overrides) -> register the run (or reuse the record a sweep
-or an earlier attempt made) -> train while holding a GPU slot, with the registry client as the
-metric/event callback and checkpoints in the configured store -> mark the run completed with its
-results, or failed with the reason.
+Recipe: resolve the config (preset + overrides) -> replay what earlier runs left in the spools
+-> register the run (or reuse the record a sweep or an earlier attempt made; a final state an
+earlier attempt left in the spools is set aside first) -> train while holding a GPU slot, with
+the registry client as the metric/event callback and checkpoints in the configured store -> mark
+the run completed with its results, or failed with the reason.
+
+Nothing is claimed before it is true: the final state goes through the run's spool folder
+(`crucible.replay.record_finish`) and is recorded only once every metric and event the run
+reported has reached the registry. When some are still owed (the registry was down at the end),
+`finish-run` fails transiently and each retry replays first; after the last retry the flow
+returns status "running" with `owed_records`, the registry shows "training finished; N records
+owed", and the next replay anywhere on this work folder (a later flow or reporter,
+`crucible api replay`) delivers them and records the run as completed.
 
 Retries: the `train` task retries only transient errors (`flows.errors`), and every attempt after
 the first resumes from the last checkpoint. Because the run's folder and store are derived from
@@ -14,6 +23,7 @@ the steps replayed since the checkpoint are stored once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +34,15 @@ from prefect.runtime import flow_run as runtime_flow_run
 from crucible.config import Config, apply_overrides
 from crucible.data import check_config_budget
 from crucible.events import Callback, Event, Metric
+from crucible.ids import validate_id
 from crucible.presets import get_preset
+from crucible.reporting import (
+    ApiUnavailable,
+    RecordsOwed,
+    record_finish,
+    replay_spools,
+    supersede_finish,
+)
 from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
 from flows.gpu import gpu_slot
 from flows.identity import code_version, config_fingerprint
@@ -101,19 +119,44 @@ class _AttemptCallback:
                 client.close()
 
 
+@task(name="replay-spools", cache_policy=NO_CACHE)
+def drain_spools(settings: FlowSettings) -> dict[str, int]:
+    """Deliver what earlier runs left in the spools under `settings.spool_root`, and record the
+    final state of those that no longer owe anything; bounded by `settings.replay_timeout_s`,
+    and an unreachable registry only ends it early. Returns {run id: records still owed}."""
+    with make_client(settings) as client:
+        report = replay_spools(client, settings.spool_root, timeout_s=settings.replay_timeout_s)
+    logger = get_run_logger()
+    if report.delivered or report.finished or report.owed:
+        logger.info("spools under %s: %d records delivered, %d run(s) finished, %d still owe "
+                    "records", settings.spool_root, report.delivered, len(report.finished),
+                    len(report.owed))
+    for path, why in report.unreadable.items():
+        logger.warning("cannot read %s (%s): skipped, its run stays unfinished", path, why)
+    for path, lines in report.rejected.items():
+        logger.warning("%d spooled batches refused by the API, kept in %s", lines, path)
+    return report.owed
+
+
 @task(name="register-run", retries=3, retry_delay_seconds=[1, 5, 20],
       retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
 def register_run(config: Config, sweep_id: str | None, run_id: str | None,
                  settings: FlowSettings) -> str:
     """The registry id of this run: `run_id` when a sweep pre-registered it, else the record an
-    earlier attempt of this same Prefect flow run created, else a new record."""
+    earlier attempt of this same Prefect flow run created, else a new record. Marked running
+    once the final state an earlier attempt left in the spools is set aside (waiting up to
+    `settings.replay_timeout_s` for a replay recording it right now), so that no replay
+    applies it to this attempt."""
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     with make_client(settings) as client:
-        return _register(client, config, sweep_id, run_id, flow_run_id)
+        return _register(client, config, sweep_id, run_id, flow_run_id,
+                         before_running=lambda registered: supersede_finish(
+                             settings.spool_root, registered, wait_s=settings.replay_timeout_s))
 
 
 def _register(client: Any, config: Config, sweep_id: str | None, run_id: str | None,
-              flow_run_id: str | None) -> str:
+              flow_run_id: str | None, *,
+              before_running: Callable[[str], object] = lambda _run_id: None) -> str:
     fingerprint = config_fingerprint(config)
     if run_id is None and flow_run_id is not None:
         for run in client.list_runs(config_hash=fingerprint, sweep_id=sweep_id):
@@ -124,7 +167,10 @@ def _register(client: Any, config: Config, sweep_id: str | None, run_id: str | N
         created = client.create_run(config=config.to_dict(), sweep_id=sweep_id,
                                     config_hash=fingerprint, code_version=code_version())
         run_id = str(created["id"])
-    client.update_run(run_id, status="running", prefect_flow_run_id=flow_run_id)
+    before_running(validate_id(run_id, field="run_id"))
+    # an earlier attempt's reason ("...; N records owed") does not describe this one
+    client.update_run(run_id, status="running", status_reason=None,
+                      prefect_flow_run_id=flow_run_id)
     return run_id
 
 
@@ -137,6 +183,7 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
     Always asks the trainer to resume: it continues from the run folder's last checkpoint when
     there is one (a retried attempt, a re-run flow) and starts afresh otherwise.
     """
+    from crucible.preflight import check_can_start, check_memory
     from crucible.train import train  # torch-heavy: only where training happens
 
     logger = get_run_logger()
@@ -144,11 +191,16 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    callback = _AttemptCallback(make_callback(settings, run_id, spool_dir=out_dir / "spool"),
-                                crash_after_global_steps, out_dir / _CRASH_MARKER)
+    # on the worker that trains: its device and folders (ConfigError: not retried); its
+    # memory only in the slot, where no run ahead of it in the queue still trains
+    check_can_start(config, out_dir=out_dir, out_field="CRUCIBLE_WORK_DIR run folder",
+                    memory_check=False)
+    callback = _AttemptCallback(make_callback(settings, run_id), crash_after_global_steps,
+                                out_dir / _CRASH_MARKER)
     try:
         with gpu_slot() as slot:
+            if not settings.skip_memory_check:   # MemoryBusy (it fits alone) is retried
+                check_memory(config, shared=True)
             logger.info("training run %s (%s) in %s, slot %s",
                         run_id, config_fingerprint(config)[:12], out_dir, slot)
             return train(config, out_dir=out_dir, callback=callback, resume=True,
@@ -161,17 +213,24 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
       retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
 def finish_run(run_id: str, settings: FlowSettings, summary: dict[str, Any] | None = None,
                reason: str | None = None) -> None:
-    """Mark the run completed with its results (`summary`) or failed with `reason`."""
+    """Mark the run completed with its results (`summary`) or failed with `reason`, once every
+    record it reported has reached the registry (each attempt replays the run's spools first).
+
+    Raises `RecordsOwed` (transient, so the task is retried) while records are still owed or
+    the registry cannot be reached; the final state then waits in the spool for the next replay.
+    """
     if summary is None:
         changes: dict[str, Any] = {"status": "failed", "status_reason": reason}
     else:
-        changes = {"status": "completed", "initial_val_loss": summary.get("initial_val_loss"),
+        changes = {"status": "completed", "status_reason": None,
+                   "initial_val_loss": summary.get("initial_val_loss"),
                    "final_val_loss": summary.get("final_val_loss"),
                    "tokens_budget": summary.get("tokens_budget"),
                    "tokens_processed": summary.get("tokens_processed"),
                    "summary": _json_safe(summary)}
     with make_client(settings) as client:
-        client.update_run(run_id, **changes)
+        record_finish(client, settings.spool_root, run_id, changes,
+                      timeout_s=settings.replay_timeout_s)
 
 
 def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
@@ -201,12 +260,20 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
     `store_url` is the shared object store (checkpoints go to `<store_url>/runs/<fingerprint>`);
     empty uses the worker's CRUCIBLE_STORE_URL, else a folder inside the run folder.
     `crash_after_global_steps` (testing) simulates a worker crash once, to exercise resume.
-    Returns {run_id, status, final_val_loss, reason}; raises (the flow run fails) on failure.
+    Returns {run_id, status, owed_records, final_val_loss, reason}: status "completed", or
+    "running" when training finished but `owed_records` records have not reached the registry
+    yet (the next replay completes the run); raises (the flow run fails) on failure.
     """
+    # ids become folder names and store keys: refuse '../..', '/abs' or 'a/b' before anything
+    if run_id is not None:
+        validate_id(run_id, field="run_id")
+    if sweep_id is not None:
+        validate_id(sweep_id, field="sweep_id")
     settings = FlowSettings()
     config = resolve_config(preset, overrides or [], store_url or settings.store_url,
                             settings.s3_endpoint_url)
-    run_id = register_run(config, sweep_id, run_id, settings)
+    drain_spools(settings)
+    run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")
     out_dir = settings.work_dir.resolve() / "runs" / run_id
     try:
         summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps)
@@ -214,8 +281,17 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
         reason = describe(exc)
         kind = "transient, retries exhausted" if is_transient(exc) else "deterministic, not retried"
         get_run_logger().error("run %s failed (%s): %s", run_id, kind, reason)
-        finish_run(run_id, settings, reason=reason)
+        try:
+            finish_run(run_id, settings, reason=reason)
+        except ApiUnavailable as owed:     # recorded by the next replay; the cause matters more
+            get_run_logger().warning("%s", owed)
         raise
-    finish_run(run_id, settings, summary=summary)
-    return {"run_id": run_id, "status": "completed",
+    try:
+        finish_run(run_id, settings, summary=summary)
+    except ApiUnavailable as exc:
+        owed = exc.owed if isinstance(exc, RecordsOwed) else None
+        get_run_logger().warning("run %s: %s", run_id, exc)
+        return {"run_id": run_id, "status": "running", "owed_records": owed,
+                "final_val_loss": summary.get("final_val_loss"), "reason": str(exc)}
+    return {"run_id": run_id, "status": "completed", "owed_records": 0,
             "final_val_loss": summary.get("final_val_loss"), "reason": None}

@@ -27,12 +27,23 @@ class FlowSettings(BaseSettings):
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, R2, moto).")
     work_dir: Path = Field(Path("crucible-work"),
                            description="Where runs write summary.json, jsonl files and spools.")
+    spool_dir: Path | None = Field(
+        None, description="Spool root: metrics, events and final states the registry has not "
+                          "stored yet, one folder per run; every reporter, flow start and "
+                          "`crucible api replay` drains it (unset: <work_dir>/spool).")
+    replay_timeout_s: float = Field(
+        60.0, gt=0, description="How long a flow spends replaying spools, at its start and "
+                                "before recording a run's final state, per attempt.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads per training run (unset: torch's "
                                 "default); 1 avoids oversubscribing a shared CPU machine.")
     public_url: str | None = Field(
         None, description="Browser-facing base URL of the API for dashboard links "
                           "(default: api_url).")
+    skip_memory_check: bool = Field(
+        False, description="Start runs even when their estimated peak memory exceeds what "
+                           "the worker has left (crucible.memory; `crucible run "
+                           "--skip-memory-check`).")
 
     @field_validator("api_url")
     @classmethod
@@ -44,9 +55,17 @@ class FlowSettings(BaseSettings):
     @field_validator("store_url")
     @classmethod
     def _store_scheme(cls, value: str | None) -> str | None:
-        if value and not value.startswith(("file://", "s3://")):
-            raise ValueError(f"CRUCIBLE_STORE_URL={value!r} must start with file:// or s3://")
-        return value.rstrip("/") if value else None
+        if not value:
+            return None
+        from crucible.store import parse_store_url  # the one check `store.url` gets too
+
+        parse_store_url(value, field="CRUCIBLE_STORE_URL")
+        return value.rstrip("/")
+
+    @property
+    def spool_root(self) -> Path:
+        """Where every reporter of this work folder spools, and every replay looks."""
+        return (self.spool_dir or self.work_dir / "spool").resolve()
 
     @property
     def dashboard_base(self) -> str:

@@ -137,8 +137,9 @@ class SweepSpec(BaseModel):
     def _store_url(cls, value: str | None) -> str | None:
         if value in (None, ""):
             return None
-        if not value.startswith(("file://", "s3://")):
-            raise ValueError(f"store_url {value!r} must start with file:// or s3://")
+        from crucible.store import parse_store_url  # the one check `store.url` gets too
+
+        parse_store_url(value, field="store_url")
         return value.rstrip("/")
 
     @model_validator(mode="after")

@@ -8,6 +8,12 @@ table, a link to the dashboard and a live progress bar as Prefect artifacts.
 
 Re-running a sweep skips every cell whose run already completed with the same resolved config
 (fingerprint) and code version, and resumes the others from their checkpoints.
+
+Spools: the sweep replays the work folder's spools when it starts (a run whose records arrive
+now is completed, and then skipped) and again after its cells (a cell that ended owing records
+to an unreachable registry may be complete by then). A cell whose run still owes records counts
+as neither completed nor failed: the outcome's "owed", and the registry shows it as running,
+left out of the robustness numbers, until the next replay delivers them.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from crucible.config import Config
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client
-from flows.run_flow import resolve_config, train_run
+from flows.run_flow import drain_spools, resolve_config, train_run
 from flows.settings import FlowSettings
 from flows.spec import Cell, SweepSpec
 
@@ -190,12 +196,13 @@ def _artifact_key(sweep_id: str, what: str) -> str:
 def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
     """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
 
-    Returns {sweep_id, runs, completed, failed, skipped, rows}; the flow run fails (after posting
-    the artifacts) if any cell failed.
+    Returns {sweep_id, runs, completed, failed, owed, skipped, rows}; the flow run fails (after
+    posting the artifacts) if any cell failed.
     """
     logger = get_run_logger()
     settings = FlowSettings()
     planned = _plan(spec, settings)
+    drain_spools(settings)     # runs completed by this replay are skipped below
     sweep_id, records = register_sweep(spec, planned, settings)
     for item in planned:
         item.run_id, item.done = records[item.fingerprint]
@@ -213,16 +220,34 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
         update_progress_artifact(progress_id, 100.0 * finished[0] / len(planned))
 
     results = _run_cells(spec, sweep_id, todo, settings, on_done)
-    failed = [r for r in results if r["status"] != "completed"]
+    drain_spools(settings)     # cells that ended owing records may be complete now
+    results = _registry_status(results, settings)
+    failed = [r for r in results if r["status"] == "failed"]
+    owed = [r for r in results if r["status"] not in ("completed", "failed")]
+    if owed:
+        logger.warning("%d run(s) of sweep %s still owe records to the registry (%s); they "
+                       "count once the next replay delivers them (`crucible api replay`)",
+                       len(owed), sweep_id, ", ".join(r["run_id"] for r in owed[:5]))
     rows = _publish(sweep_id, spec, settings)
     with make_client(settings) as client:
         client.update_sweep(sweep_id, status="failed" if failed else "completed")
-    outcome = {"sweep_id": sweep_id, "runs": len(planned), "completed": len(results) - len(failed),
-               "failed": len(failed), "skipped": skipped, "rows": rows}
+    outcome = {"sweep_id": sweep_id, "runs": len(planned),
+               "completed": len(results) - len(failed) - len(owed), "failed": len(failed),
+               "owed": len(owed), "skipped": skipped, "rows": rows}
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(planned)} cells of sweep {sweep_id} failed: "
                            + "; ".join(f"{r['run_id']}: {r['reason']}" for r in failed[:5]))
     return outcome
+
+
+def _registry_status(results: list[dict[str, Any]],
+                     settings: FlowSettings) -> list[dict[str, Any]]:
+    """Each cell's result with the registry's status of its run (a failed cell stays failed):
+    the flow's own view cannot know that a later replay completed a run, nor, for a cell run
+    as a deployment, that its run still owes records."""
+    with make_client(settings) as client:
+        return [r if r["status"] == "failed" else
+                {**r, "status": client.get_run(r["run_id"])["status"]} for r in results]
 
 
 def _publish(sweep_id: str, spec: SweepSpec, settings: FlowSettings) -> list[dict[str, Any]]:

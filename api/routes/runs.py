@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
+from api.errors import read_responses, write_responses
 from api.schemas import (
     EVENT_KIND_HELP,
     BatchResult,
@@ -28,14 +30,17 @@ from api.schemas import (
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
-Cursor = Annotated[str | None, Query(max_length=512)]
+_CURSOR_HELP = "next_cursor of the previous page; omit for the first page"
+RunCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),
+                                        description=_CURSOR_HELP)]
+StepCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((int, int)),
+                                         description=_CURSOR_HELP)]
 SafeQuery = Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9._:+/=-]*$")]
 _NOT_NULLABLE = ("status",)
-_TOO_LARGE = {413: {"description": "more than 10,000 items, or a body over the byte limit; "
-                                  "nothing was stored"}}
 
 
-@router.post("", status_code=201, response_model=RunPublic, dependencies=[WriteAuthDep])
+@router.post("", status_code=201, response_model=RunPublic, dependencies=[WriteAuthDep],
+             responses=write_responses(404, 409))
 def create_run(body: RunCreate, session: SessionDep) -> RunPublic:
     """Register a run from its config (status pending); 404 for an unknown sweep_id."""
     run = crud.create_run(session, config=body.config, sweep_id=body.sweep_id, name=body.name,
@@ -43,7 +48,8 @@ def create_run(body: RunCreate, session: SessionDep) -> RunPublic:
     return RunPublic.model_validate(run)
 
 
-@router.get("", response_model=Page[RunPublic], dependencies=[ReadAuthDep])
+@router.get("", response_model=Page[RunPublic], dependencies=[ReadAuthDep],
+            responses=read_responses())
 def list_runs(session: SessionDep, sweep_id: uuid.UUID | None = None,
               compression: Compression | None = None, strategy: Strategy | None = None,
               p: Annotated[float | None, Query(ge=0, le=1)] = None,
@@ -51,7 +57,7 @@ def list_runs(session: SessionDep, sweep_id: uuid.UUID | None = None,
               status: RunStatus | None = None, config_hash: SafeQuery = None,
               code_version: SafeQuery = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-              cursor: Cursor = None) -> Page[RunPublic]:
+              cursor: RunCursor = None) -> Page[RunPublic]:
     """Runs matching every given filter, oldest first, keyset-paginated."""
     rows, next_cursor = crud.list_runs(
         session, sweep_id=sweep_id, compression=compression, strategy=strategy, p=p, seed=seed,
@@ -61,13 +67,15 @@ def list_runs(session: SessionDep, sweep_id: uuid.UUID | None = None,
                            next_cursor=next_cursor)
 
 
-@router.get("/{run_id}", response_model=RunPublic, dependencies=[ReadAuthDep])
+@router.get("/{run_id}", response_model=RunPublic, dependencies=[ReadAuthDep],
+            responses=read_responses(404))
 def get_run(run_id: uuid.UUID, session: SessionDep) -> RunPublic:
     """One run; 404 when it does not exist."""
     return RunPublic.model_validate(crud.get_run(session, run_id=run_id))
 
 
-@router.patch("/{run_id}", response_model=RunPublic, dependencies=[WriteAuthDep])
+@router.patch("/{run_id}", response_model=RunPublic, dependencies=[WriteAuthDep],
+              responses=write_responses(404))
 def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPublic:
     """Update a run's status and results (fields left out are unchanged)."""
     changes = body.model_dump(exclude_unset=True)
@@ -78,7 +86,7 @@ def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPu
 
 
 @router.post("/{run_id}/metrics:batch", response_model=BatchResult, dependencies=[WriteAuthDep],
-             responses=_TOO_LARGE)
+             responses=write_responses(404, 409))
 def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) -> BatchResult:
     """Store up to 10,000 metric items idempotently (key: name, global_step, replica)."""
     inserted = crud.insert_metrics(session, run_id=run_id, items=body.items)
@@ -86,7 +94,7 @@ def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) ->
 
 
 @router.post("/{run_id}/events:batch", response_model=BatchResult, dependencies=[WriteAuthDep],
-             responses=_TOO_LARGE)
+             responses=write_responses(404, 409))
 def ingest_events(run_id: uuid.UUID, body: EventBatch, session: SessionDep) -> BatchResult:
     """Store up to 10,000 event items idempotently (key: the event's id)."""
     items = [item.model_dump() for item in body.items]
@@ -94,11 +102,12 @@ def ingest_events(run_id: uuid.UUID, body: EventBatch, session: SessionDep) -> B
     return BatchResult(received=len(items), inserted=inserted)
 
 
-@router.get("/{run_id}/metrics", response_model=Page[MetricPublic], dependencies=[ReadAuthDep])
+@router.get("/{run_id}/metrics", response_model=Page[MetricPublic], dependencies=[ReadAuthDep],
+            responses=read_responses(404))
 def read_metrics(run_id: uuid.UUID, session: SessionDep, name: MetricName | None = None,
                  replica: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
                  limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-                 cursor: Cursor = None) -> Page[MetricPublic]:
+                 cursor: StepCursor = None) -> Page[MetricPublic]:
     """A run's metrics in global-step order, keyset-paginated."""
     rows, next_cursor = crud.list_metrics(session, run_id=run_id, name=name, replica=replica,
                                           limit=limit, cursor=cursor)
@@ -106,13 +115,14 @@ def read_metrics(run_id: uuid.UUID, session: SessionDep, name: MetricName | None
                               next_cursor=next_cursor)
 
 
-@router.get("/{run_id}/events", response_model=Page[EventPublic], dependencies=[ReadAuthDep])
+@router.get("/{run_id}/events", response_model=Page[EventPublic], dependencies=[ReadAuthDep],
+            responses=read_responses(404))
 def read_events(run_id: uuid.UUID, session: SessionDep,
                 kind: Annotated[EventKind | None,
                                 Query(description="Only events of this kind. " + EVENT_KIND_HELP)
                                 ] = None,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-                cursor: Cursor = None) -> Page[EventPublic]:
+                cursor: StepCursor = None) -> Page[EventPublic]:
     """A run's events in global-step order, keyset-paginated."""
     rows, next_cursor = crud.list_events(session, run_id=run_id, kind=kind, limit=limit,
                                          cursor=cursor)

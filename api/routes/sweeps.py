@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
+from api.errors import read_responses, write_responses
 from api.schemas import (
     Page,
     RobustnessPublic,
@@ -21,17 +23,21 @@ from api.schemas import (
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
-Cursor = Annotated[str | None, Query(max_length=512)]
+Cursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),
+                                     description="next_cursor of the previous page; omit for "
+                                                 "the first page")]
 
 
-@router.post("", status_code=201, response_model=SweepPublic, dependencies=[WriteAuthDep])
+@router.post("", status_code=201, response_model=SweepPublic, dependencies=[WriteAuthDep],
+             responses=write_responses())
 def create_sweep(body: SweepCreate, session: SessionDep) -> SweepPublic:
     """Register a sweep (status pending)."""
     sweep = crud.create_sweep(session, name=body.name, spec=body.spec)
     return SweepPublic.model_validate(sweep)
 
 
-@router.get("", response_model=Page[SweepPublic], dependencies=[ReadAuthDep])
+@router.get("", response_model=Page[SweepPublic], dependencies=[ReadAuthDep],
+            responses=read_responses())
 def list_sweeps(session: SessionDep, status: SweepStatus | None = None, limit: Limit = 100,
                 cursor: Cursor = None) -> Page[SweepPublic]:
     """Sweeps, oldest first, keyset-paginated."""
@@ -40,13 +46,15 @@ def list_sweeps(session: SessionDep, status: SweepStatus | None = None, limit: L
                              next_cursor=next_cursor)
 
 
-@router.get("/{sweep_id}", response_model=SweepPublic, dependencies=[ReadAuthDep])
+@router.get("/{sweep_id}", response_model=SweepPublic, dependencies=[ReadAuthDep],
+            responses=read_responses(404))
 def get_sweep(sweep_id: uuid.UUID, session: SessionDep) -> SweepPublic:
     """One sweep; 404 when it does not exist."""
     return SweepPublic.model_validate(crud.get_sweep(session, sweep_id=sweep_id))
 
 
-@router.patch("/{sweep_id}", response_model=SweepPublic, dependencies=[WriteAuthDep])
+@router.patch("/{sweep_id}", response_model=SweepPublic, dependencies=[WriteAuthDep],
+              responses=write_responses(404))
 def update_sweep(sweep_id: uuid.UUID, body: SweepUpdate, session: SessionDep) -> SweepPublic:
     """Change a sweep's status or Prefect flow-run id (fields left out are unchanged)."""
     changes = body.model_dump(exclude_unset=True)
@@ -57,7 +65,7 @@ def update_sweep(sweep_id: uuid.UUID, body: SweepUpdate, session: SessionDep) ->
 
 
 @router.get("/{sweep_id}/robustness", response_model=RobustnessPublic,
-            dependencies=[ReadAuthDep])
+            dependencies=[ReadAuthDep], responses=read_responses(404))
 def robustness(sweep_id: uuid.UUID, session: SessionDep) -> RobustnessPublic:
     """Per arm x strategy x p: mean relative final-validation-loss increase over the arm's p = 0
     baseline (paired by seed), its 95% t-interval (null bounds with one seed), the seeds and the
@@ -65,7 +73,8 @@ def robustness(sweep_id: uuid.UUID, session: SessionDep) -> RobustnessPublic:
     return RobustnessPublic.model_validate(crud.sweep_robustness(session, sweep_id=sweep_id))
 
 
-@router.get("/{sweep_id}/table", response_model=TablePublic, dependencies=[ReadAuthDep])
+@router.get("/{sweep_id}/table", response_model=TablePublic, dependencies=[ReadAuthDep],
+            responses=read_responses(404))
 def table(sweep_id: uuid.UUID, session: SessionDep) -> TablePublic:
     """The robustness summary as the blog's Table 1: one row per p, one column per
     "<compression>/<strategy>"."""

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_CHUNK = 64  # 64 x 64 = 4096 local positions: the most a 12-bit index can address
+# 64 x 64 = 4096 local positions: the most a 12-bit index can address (the config refuses a
+# larger sparseloco.chunk up front)
+from crucible.config import MAX_SPARSELOCO_CHUNK as MAX_CHUNK
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,16 @@
 All integers and floats are little-endian. A blob is
 
     header   magic b"SLCO" | version u16 | kind u8 | reserved u8 | stage u32 | replica u32
-             | global_step u64 | n_params u32                                      (28 bytes)
+             | global_step u32 | run_tag u32 | n_params u32                     (28 bytes)
     n_params tensor records (kind-specific, see codec.py)
     trailer  crc32 of everything before it, u32
+
+Version 2 (written since issue 14) names the run: `run_tag` is the first four bytes of the
+BLAKE2b hash of the run's store key (`run_tag(run)`), so a blob copied from another run's
+folder is told apart from this run's. It took the upper half of version 1's u64 global step,
+so a blob keeps its size (and a run its byte counts); version 1 blobs still decode, with
+`run_tag` None, and the gather rejects them for carrying no run. The tag guards against
+mix-ups, not forgery: anyone who can read the store can compute it.
 
 The CRC makes truncation and bit flips detectable before any field is trusted; every other
 check still runs, because a well-formed blob can carry bad numbers. `Reader` turns every short
@@ -13,17 +20,23 @@ read into `InvalidContribution`, so garbage never escapes as `struct.error` or `
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 
 import numpy as np
 
 MAGIC = b"SLCO"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 KIND_SPARSE = 0
 KIND_DENSE = 1
-_HEADER = struct.Struct("<4sHBBIIQI")
+_HEADER = struct.Struct("<4sHBBIIIII")      # version 2
+_HEADER_V1 = struct.Struct("<4sHBBIIQI")    # same size: global_step u64, no run tag
+HEADER_BYTES = _HEADER.size
 _CRC = struct.Struct("<I")
+TRAILER_BYTES = _CRC.size
+MAX_GLOBAL_STEP = 2**32 - 1
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 8
 
@@ -36,16 +49,26 @@ class InvalidContribution(ValueError):
         self.reason = reason
 
 
+def run_tag(run: str) -> int:
+    """The u32 a blob's header carries to name its run: the first 4 bytes (little-endian) of
+    the BLAKE2b hash of the run's store key."""
+    return int.from_bytes(hashlib.blake2b(run.encode("utf-8"), digest_size=4).digest(), "little")
+
+
 class Writer:
     """Accumulates the parts of one blob; `finish` appends the CRC trailer."""
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def header(self, *, kind: int, stage: int, replica: int, global_step: int,
+    def header(self, *, kind: int, stage: int, replica: int, global_step: int, run_tag: int,
                n_params: int) -> None:
+        """Raises ValueError for a global step or run tag that does not fit 32 bits."""
+        if not 0 <= global_step <= MAX_GLOBAL_STEP or not 0 <= run_tag <= 0xFFFFFFFF:
+            raise ValueError(f"global_step {global_step} and run_tag {run_tag} must fit an "
+                             "unsigned 32-bit field")
         self._parts.append(_HEADER.pack(MAGIC, FORMAT_VERSION, kind, 0, stage, replica,
-                                        global_step, n_params))
+                                        global_step, run_tag, n_params))
 
     def pack(self, fmt: str, *values: object) -> None:
         self._parts.append(struct.pack(fmt, *values))
@@ -83,18 +106,23 @@ class Reader:
         if blob[:4] != MAGIC:
             raise InvalidContribution(f"bad magic {bytes(blob[:4])!r}, expected {MAGIC!r}")
         version = struct.unpack_from("<H", blob, 4)[0]
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise InvalidContribution(f"format version {version} is not supported "
-                                      f"(this build reads version {FORMAT_VERSION})")
+                                      f"(this build reads versions {READABLE_VERSIONS})")
         if zlib.crc32(body) != crc:
             raise InvalidContribution("checksum mismatch: the object is truncated or corrupted")
         self._buf = memoryview(body)
         self._pos = 0
 
-    def header(self) -> tuple[int, int, int, int, int, int]:
-        """(version, kind, stage, replica, global_step, n_params)."""
-        _magic, version, kind, _res, stage, replica, step, n = self.unpack(_HEADER.format)
-        return version, kind, stage, replica, step, n
+    def header(self) -> tuple[int, int, int, int, int, int | None, int]:
+        """(version, kind, stage, replica, global_step, run_tag, n_params); run_tag is None
+        for a version 1 blob, which has none."""
+        version = struct.unpack_from("<H", self._buf, 4)[0]
+        if version == 1:
+            _magic, version, kind, _res, stage, replica, step, n = self.unpack(_HEADER_V1.format)
+            return version, kind, stage, replica, step, None, n
+        _magic, version, kind, _res, stage, replica, step, tag, n = self.unpack(_HEADER.format)
+        return version, kind, stage, replica, step, tag, n
 
     def unpack(self, fmt: str) -> tuple:
         size = struct.calcsize(fmt)

@@ -12,6 +12,8 @@ vector by one factor. Then, per coordinate:
 
 Dense contributions (every coordinate selected) make the two modes equal. Contributions are summed
 in the order given (the gather returns them in replica order), so the result is deterministic.
+`tensor_norm_ratios` measures how far each contributor's tensors stray from those medians; the
+gather rejects, before aggregation, a contribution beyond `sparseloco.max_norm_ratio`.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import torch
 
 from crucible.sparseloco.codec import Contribution
 
-__all__ = ["aggregate", "clip_scales", "tensor_clip_scales", "AGGREGATE_MODES",
-           "CLIP_GRANULARITIES"]
+__all__ = ["aggregate", "clip_scales", "tensor_clip_scales", "tensor_norm_ratios",
+           "AGGREGATE_MODES", "CLIP_GRANULARITIES"]
 
 AGGREGATE_MODES = ("selected_mean", "mean_over_all")
 CLIP_GRANULARITIES = ("tensor", "stage")
@@ -46,6 +48,24 @@ def tensor_clip_scales(contributions: Sequence[Contribution],
     """Per parameter tensor, per contributor: `min(1, median_norm / norm)` of that tensor."""
     return {name: _median_scales([math.sqrt(c.params[name].norm_sq()) for c in contributions])
             for name in names}
+
+
+def tensor_norm_ratios(contributions: Mapping[int, Contribution],
+                       ) -> dict[int, tuple[str, float]]:
+    """replica -> (tensor, ratio) of its tensor whose L2 norm is the largest multiple of that
+    tensor's median norm over `contributions` (a zero median counts as no ratio: 0). Empty for
+    fewer than three contributions: the median of two is their mean, which no ratio >= 2 can
+    exceed."""
+    if len(contributions) < 3:
+        return {}
+    worst = {r: ("", 0.0) for r in contributions}
+    for name in next(iter(contributions.values())).params:
+        norms = {r: math.sqrt(c.params[name].norm_sq()) for r, c in contributions.items()}
+        median = statistics.median(norms.values())
+        for r, norm in norms.items():
+            if median > 0 and norm / median > worst[r][1]:
+                worst[r] = (name, norm / median)
+    return worst
 
 
 def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[int, ...]], *,

@@ -42,6 +42,7 @@ class _Frame:
     stage: int
     replica: int
     global_step: int
+    run_tag: int | None
     nbytes: int
     quant: dict[str, tuple[float, float, float, float, float, float]]  # shift, scale, table
     indices: dict[str, memoryview]
@@ -87,7 +88,7 @@ def decode_contributions(blobs: Sequence[bytes], expected: Mapping[str, tuple[in
         out.append(Contribution(stage=frame.stage, replica=frame.replica,
                                 global_step=frame.global_step, version=frame.version,
                                 kind="sparse", params={n: values[i][n] for n in expected},
-                                nbytes=frame.nbytes))
+                                nbytes=frame.nbytes, run_tag=frame.run_tag))
     return out
 
 
@@ -96,12 +97,12 @@ def _read_frame(blob: bytes, geos: Mapping[str, Geometry], *, stage: int, replic
     """The blob's frame if its structure is exactly what `geos` expects, else None."""
     try:
         reader = _wire.Reader(blob)
-        version, kind, got_stage, got_replica, got_step, n_params = reader.header()
+        version, kind, got_stage, got_replica, got_step, got_run, n_params = reader.header()
         if (kind != _wire.KIND_SPARSE or got_stage != stage or n_params != len(geos)
                 or (replica is not None and got_replica != replica)
                 or (global_step is not None and got_step != global_step)):
             return None
-        frame = _Frame(version, got_stage, got_replica, got_step, len(blob), {}, {}, {})
+        frame = _Frame(version, got_stage, got_replica, got_step, got_run, len(blob), {}, {}, {})
         for _ in range(n_params):
             name = reader.name()
             geo = geos.get(name)

@@ -34,7 +34,7 @@ from crucible.sparseloco._wire import InvalidContribution
 
 __all__ = ["Contribution", "SparseValues", "InvalidContribution", "ErrorFeedbackCodec",
            "encode_contribution", "encode_contributions_batched", "decode_contribution",
-           "MIN_SCALE", "MAX_SCALE"]
+           "contribution_bytes", "MIN_SCALE", "MAX_SCALE"]
 
 MIN_SCALE = 1e-12
 MAX_SCALE = 1e4
@@ -55,7 +55,13 @@ class SparseValues:
     values: torch.Tensor          # (n,) fp32, dequantised
 
     def norm_sq(self) -> float:
-        return float(torch.sum(self.values.double() ** 2))
+        """Squared L2 norm (fp64 sum), computed once: the gather's norm rule and the
+        aggregation's clipping both ask for it."""
+        cached = self.__dict__.get("_norm_sq")
+        if cached is None:
+            cached = float(torch.sum(self.values.double() ** 2))
+            object.__setattr__(self, "_norm_sq", cached)  # frozen, but the values never change
+        return cached
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Contribution:
     kind: str                                   # "sparse" or "dense"
     params: dict[str, SparseValues] = field(repr=False)
     nbytes: int = 0                             # size of the blob it was decoded from
+    run_tag: int | None = None                  # `_wire.run_tag` of its run; None: version 1
 
     def norm(self) -> float:
         """L2 norm of the whole stage vector (all parameters)."""
@@ -150,17 +157,18 @@ def _encode_tensor(writer: _wire.Writer, name: str, e: torch.Tensor, geo: Geomet
 
 def encode_contribution(delta: Mapping[str, torch.Tensor], error: Mapping[str, torch.Tensor], *,
                         beta: float, stage: int, replica: int, global_step: int, chunk: int = 64,
-                        topk: int = 64) -> tuple[bytes, dict[str, torch.Tensor]]:
+                        topk: int = 64, run_tag: int = 0) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Encode one stage's pseudo-gradient `delta` with error feedback.
 
     `error` holds the previous buffers (a missing name counts as zeros; nothing is mutated).
+    `run_tag` (`_wire.run_tag(run)`) names the run in the header.
     Returns the blob and the new error buffers, with `new_error + decoded == beta*error + delta`
     to fp32 round-off. Raises ValueError for a non-finite delta or error (naming the parameter):
     a diverged replica must not poison its peers.
     """
     writer = _wire.Writer()
     writer.header(kind=_wire.KIND_SPARSE, stage=stage, replica=replica, global_step=global_step,
-                  n_params=len(delta))
+                  run_tag=run_tag, n_params=len(delta))
     new_error: dict[str, torch.Tensor] = {}
     for name, d in delta.items():
         d = d.detach().to(torch.float32)
@@ -178,7 +186,7 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], error: Mapping[str, t
 def encode_contributions_batched(
         delta: Mapping[str, torch.Tensor], error: Mapping[str, torch.Tensor], *, beta: float,
         stage: int, replicas: Sequence[int], global_step: int, chunk: int = 64,
-        topk: int = 64) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+        topk: int = 64, run_tag: int = 0) -> tuple[list[bytes], dict[str, torch.Tensor]]:
     """`encode_contribution` for several replicas of one stage at once.
 
     `delta[name]` and `error[name]` are (R', ...) with row i belonging to `replicas[i]` (a
@@ -226,7 +234,7 @@ def encode_contributions_batched(
     for i, replica in enumerate(replicas):
         writer = _wire.Writer()
         writer.header(kind=_wire.KIND_SPARSE, stage=stage, replica=replica,
-                      global_step=global_step, n_params=len(delta))
+                      global_step=global_step, run_tag=run_tag, n_params=len(delta))
         for name in delta:
             writer.name(name)
             writer.shape(tuple(e_all[name].shape[1:]))
@@ -345,7 +353,7 @@ def read_records(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, kind: 
     """Shared frame of the sparse and dense decoders: header, one `read_one(reader, name, shape)`
     per record, the expected-parameter bookkeeping and the trailing-bytes check."""
     reader = _wire.Reader(blob)
-    version, got_kind, got_stage, got_replica, got_step, n_params = reader.header()
+    version, got_kind, got_stage, got_replica, got_step, got_run, n_params = reader.header()
     _check_header(got_kind, kind, got_stage, got_replica, got_step, expect_stage=stage,
                   expect_replica=replica, expect_step=global_step)
     if n_params > len(expected):
@@ -369,7 +377,8 @@ def read_records(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, kind: 
         raise InvalidContribution(f"missing parameter(s): {', '.join(missing)}")
     return Contribution(stage=got_stage, replica=got_replica, global_step=got_step,
                         version=version, kind="sparse" if kind == _wire.KIND_SPARSE else "dense",
-                        params={n: found[n] for n in expected}, nbytes=len(blob))
+                        params={n: found[n] for n in expected}, nbytes=len(blob),
+                        run_tag=got_run)
 
 
 def _read_sparse(reader: _wire.Reader, name: str, shape: tuple[int, ...], *, chunk: int,
@@ -427,6 +436,19 @@ def decode_contribution(blob: bytes, expected: Mapping[str, tuple[int, ...]], *,
                         replica=replica, global_step=global_step, read_one=read_one)
 
 
+def contribution_bytes(expected: Mapping[str, tuple[int, ...]], *, chunk: int = 64,
+                       topk: int = 64) -> int:
+    """Size in bytes of every valid sparse blob for a stage of `expected` (name -> shape): the
+    chunking fixes how many values each tensor keeps, so the size is exact, and a larger object
+    can be refused before it is read."""
+    size = _wire.HEADER_BYTES + _wire.TRAILER_BYTES
+    for name, shape in expected.items():
+        n = geometry(tuple(shape), chunk=chunk, topk=topk).n_values
+        size += (2 + len(name.encode("utf-8")) + 1 + 4 * len(shape) + _QUANT.size
+                 + _wire.indices12_bytes(n) + _wire.codes2_bytes(n))
+    return size
+
+
 class ErrorFeedbackCodec:
     """The encoder state of one (replica, stage): its error-feedback buffers.
 
@@ -435,18 +457,18 @@ class ErrorFeedbackCodec:
     """
 
     def __init__(self, *, stage: int, replica: int, beta: float = 0.95, chunk: int = 64,
-                 topk: int = 64) -> None:
+                 topk: int = 64, run_tag: int = 0) -> None:
         if not 0 <= beta < 1:
             raise ValueError(f"sparseloco.beta must be in [0, 1), got {beta}")
         geometry((1,), chunk=chunk, topk=topk)
-        self.stage, self.replica = stage, replica
+        self.stage, self.replica, self.run_tag = stage, replica, run_tag
         self.beta, self.chunk, self.topk = beta, chunk, topk
         self.error: dict[str, torch.Tensor] = {}
 
     def encode(self, delta: Mapping[str, torch.Tensor], *, global_step: int) -> bytes:
         blob, self.error = encode_contribution(
             delta, self.error, beta=self.beta, stage=self.stage, replica=self.replica,
-            global_step=global_step, chunk=self.chunk, topk=self.topk)
+            global_step=global_step, chunk=self.chunk, topk=self.topk, run_tag=self.run_tag)
         return blob
 
     def decode(self, blob: bytes, expected: Mapping[str, tuple[int, ...]], *,

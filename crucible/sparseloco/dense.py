@@ -15,15 +15,15 @@ from crucible.sparseloco import _wire
 from crucible.sparseloco._wire import InvalidContribution
 from crucible.sparseloco.codec import Contribution, SparseValues, read_records
 
-__all__ = ["encode_dense", "decode_dense"]
+__all__ = ["encode_dense", "decode_dense", "dense_bytes"]
 
 
 def encode_dense(delta: Mapping[str, torch.Tensor], *, stage: int, replica: int,
-                 global_step: int) -> bytes:
+                 global_step: int, run_tag: int = 0) -> bytes:
     """Encode one stage's dense pseudo-gradient; raises ValueError for a non-finite value."""
     writer = _wire.Writer()
     writer.header(kind=_wire.KIND_DENSE, stage=stage, replica=replica, global_step=global_step,
-                  n_params=len(delta))
+                  run_tag=run_tag, n_params=len(delta))
     for name, d in delta.items():
         d = d.detach().to(torch.float32).contiguous()
         if not bool(torch.isfinite(d).all()):
@@ -33,6 +33,13 @@ def encode_dense(delta: Mapping[str, torch.Tensor], *, stage: int, replica: int,
         writer.shape(tuple(d.shape))
         writer.raw(d.numpy().astype("<f4", copy=False).tobytes())
     return writer.finish()
+
+
+def dense_bytes(expected: Mapping[str, tuple[int, ...]]) -> int:
+    """Size in bytes of every valid dense blob for a stage of `expected` (name -> shape)."""
+    return _wire.HEADER_BYTES + _wire.TRAILER_BYTES + sum(
+        2 + len(name.encode("utf-8")) + 1 + 4 * len(shape) + 4 * math.prod(shape)
+        for name, shape in expected.items())
 
 
 def _read_dense(reader: _wire.Reader, name: str, shape: tuple[int, ...]) -> SparseValues:

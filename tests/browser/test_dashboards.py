@@ -7,8 +7,6 @@ screenshot of each page is saved under test-artifacts/ for a human to look at.
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from dashboards import sample
 from dashboards.export import write_report
-from tests.fixtures.postgres import free_port
+from tests.fixtures.browser import serve_in_thread
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -97,20 +94,8 @@ def served(pg_url: str) -> Iterator[Served]:
 
     token = "crc_dashboard-browser-tests"
     app = create_app(Settings(database_url=pg_url, api_token=token))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="dashboard-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield Served(url=f"http://127.0.0.1:{server.config.port}", token=token,
-                     database_url=pg_url)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(app, name="dashboard-uvicorn") as url:
+        yield Served(url=url, token=token, database_url=pg_url)
 
 
 @pytest.fixture(scope="module")

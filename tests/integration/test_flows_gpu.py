@@ -1,14 +1,23 @@
-"""GPU slots: a per-host global concurrency limit, created on first use, never oversubscribed."""
+"""GPU slots: a per-host global concurrency limit, created on first use, never oversubscribed;
+a run measures the memory it may use only once it holds its slot."""
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from prefect.client.orchestration import get_client
 
+import crucible.memory
+import crucible.train
+import flows.run_flow
+from crucible.reporting import ApiClient
 from flows.gpu import ensure_gpu_limit, gpu_limit_name, gpu_slot, local_device_count
+from flows.run_flow import train_run
 
 pytestmark = pytest.mark.integration
 
@@ -49,3 +58,78 @@ def test_holders_never_exceed_the_slots(prefect_harness: None) -> None:
         t.join(timeout=120)
     assert peak[0] == 2
     assert active[0] == 0
+
+
+TINY = ["replicas=2", "sparseloco.inner_steps=2", "train.batch_size=2", "model.seq_len=32",
+        "model.d_model=32", "train.eval_tokens=64", "train.global_steps=2"]
+
+
+@pytest.mark.timeout(300)
+def test_a_queued_run_is_not_refused_for_memory_its_sibling_holds(
+        prefect_harness: None, flow_client: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs, one slot (this CPU machine): the second waits for the slot while the first
+    trains. While a run trains it holds the machine's memory (`available` reports 1 MiB
+    left, as a big run would leave it); the second run must measure once the slot is its own,
+    not while it queues behind the first."""
+    training, slot_calls = [0], [0]
+    go_on = threading.Event()    # the second run queued for the slot, or gave up before
+    real_train, real_available, real_slot = (crucible.train.train, crucible.memory.available,
+                                             flows.run_flow.gpu_slot)
+
+    def train(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        training[0] += 1
+        try:   # hold the memory until the second run queues for the slot
+            go_on.wait(timeout=120)
+            return real_train(*args, **kwargs)
+        finally:
+            training[0] -= 1
+
+    def available() -> tuple[int | None, str]:
+        return (1 << 20, "MemAvailable") if training[0] else real_available()
+
+    @contextmanager
+    def slot(*args: Any, **kwargs: Any) -> Iterator[str]:
+        slot_calls[0] += 1
+        if slot_calls[0] == 2:
+            go_on.set()
+        with real_slot(*args, **kwargs) as name:
+            yield name
+
+    monkeypatch.setattr(crucible.train, "train", train)
+    monkeypatch.setattr(crucible.memory, "available", available)
+    monkeypatch.setattr(flows.run_flow, "gpu_slot", slot)
+    first: list[Any] = []
+    sibling = threading.Thread(target=lambda: first.append(
+        train_run(preset="smoke", overrides=TINY, return_state=True)))
+    sibling.start()
+    deadline = time.monotonic() + 120
+    while not training[0] and sibling.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert training[0], "the first run never started training"
+    try:
+        second = train_run(preset="smoke", overrides=[*TINY, "seed=2"], return_state=True)
+    finally:
+        go_on.set()
+        sibling.join(timeout=180)
+    assert first and first[0].is_completed(), first
+    assert second.is_completed(), second.message
+    assert flow_client.get_run(second.result()["run_id"])["status"] == "completed"
+
+
+@pytest.mark.timeout(300)
+def test_memory_other_programs_hold_for_now_is_waited_for_not_a_failure(
+        prefect_harness: None, flow_client: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In its slot, the run finds 1 MiB available (another program holds the rest) the first
+    time it looks: it would fit this machine alone, so the attempt is retried, not failed."""
+    looks: list[int] = []
+    real_available = crucible.memory.available
+
+    def available() -> tuple[int | None, str]:
+        looks.append(1)
+        return (1 << 20, "MemAvailable") if len(looks) == 1 else real_available()
+
+    monkeypatch.setattr(crucible.memory, "available", available)
+    state = train_run(preset="smoke", overrides=[*TINY, "seed=3"], return_state=True)
+    assert state.is_completed(), state.message
+    assert len(looks) == 2                      # refused once, then measured again and run
+    assert flow_client.get_run(state.result()["run_id"])["status"] == "completed"

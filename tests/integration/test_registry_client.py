@@ -2,23 +2,19 @@
 mid-run and restarted, every metric and event arrives exactly once."""
 from __future__ import annotations
 
+import errno
+import json
+import threading
+
 import pytest
 
-from crucible.events import Event, Metric
-from crucible.reporting import ApiCallback, ApiClient, ApiError
+from crucible.events import Event
+from crucible.reporting import ApiCallback, ApiClient, ApiError, ApiUnavailable, replay_spools
+from crucible.spool import SpoolFile
+from tests.integration.reporting_helpers import FlakyProxy
+from tests.integration.reporting_helpers import emit as _emit
 
 pytestmark = pytest.mark.integration
-
-
-def _emit(callback, steps):
-    """What a trainer does: per global step, metrics per replica, an event, then flush."""
-    for step in steps:
-        for replica in range(2):
-            callback.metric(Metric("train_loss", step, 3.0 - step * 0.01, tokens=64 * step,
-                                   replica=replica))
-        callback.metric(Metric("val_loss", step, 2.5 - step * 0.01))
-        callback.event(Event("bypass", step, replica=step % 2, stage=1, detail={"step": step}))
-        callback.flush()
 
 
 def _expected(steps):
@@ -59,19 +55,24 @@ def test_client_crud_round_trip(client):
     assert info.value.status_code == 422
 
 
+def _spool_files(root):
+    return sorted(root.rglob("*.spool.jsonl"))
+
+
 def test_outage_mid_run_loses_and_duplicates_nothing(api_server, client, tmp_path):
     run_id = client.create_run({"seed": 0, "faults": {"p": 0.1}})["id"]
     callback = ApiCallback(client, run_id, tmp_path / "spool", batch_size=7,
                            flush_interval_s=0.0, close_timeout_s=20.0)
     _emit(callback, range(0, 10))
-    assert not callback.spooled
+    assert callback.wait_handled(30) and not callback.spooled
     api_server.stop()
-    _emit(callback, range(10, 25))          # every flush lands in the spool
-    assert callback.spooled
+    _emit(callback, range(10, 25))          # every batch lands in the spool
+    assert callback.wait_handled(30) and callback.spooled
     api_server.start()
     _emit(callback, range(20, 40))          # overlapping steps re-sent on purpose
     callback.close()
-    assert not (tmp_path / "spool" / f"{run_id}.spool.jsonl").exists()
+    assert callback.owed_records == 0
+    assert _spool_files(tmp_path / "spool") == []
     metrics, events = _stored(client, run_id)
     assert metrics == _expected(range(40))
     assert [e["id"] for e in events] == [Event("bypass", s, replica=s % 2, stage=1).id
@@ -85,14 +86,14 @@ def test_spool_left_at_close_is_replayed_by_the_next_callback(api_server, client
     first = ApiCallback(client, run_id, tmp_path, batch_size=1000, close_timeout_s=0.0)
     _emit(first, range(5))
     first.close()
-    assert (tmp_path / f"{run_id}.spool.jsonl").stat().st_size > 0
+    assert first.owed_records == 5 * 4      # per step: 2 train_loss, 1 val_loss, 1 event
     api_server.start()
     other_run = client.create_run({"seed": 2})["id"]
-    second = ApiCallback(client, other_run, tmp_path)   # replays the first run's spool at start
+    second = ApiCallback(client, other_run, tmp_path)   # its sender replays the first's spool
     second.close()
     metrics, events = _stored(client, run_id)
     assert metrics == _expected(range(5)) and len(events) == 5
-    assert not (tmp_path / f"{run_id}.spool.jsonl").exists()
+    assert _spool_files(tmp_path) == []
 
 
 def test_torn_spool_tail_is_dropped_and_order_kept(api_server, client, tmp_path):
@@ -101,7 +102,8 @@ def test_torn_spool_tail_is_dropped_and_order_kept(api_server, client, tmp_path)
     callback = ApiCallback(client, run_id, tmp_path, close_timeout_s=0.0)
     _emit(callback, range(3))
     callback.close()
-    with open(tmp_path / f"{run_id}.spool.jsonl", "a") as fh:
+    [spool] = _spool_files(tmp_path)
+    with open(spool, "a") as fh:
         fh.write(f'{{"run_id": "{run_id}", "kind": "metr')    # killed mid-append
     api_server.start()
     resumed = ApiCallback(client, run_id, tmp_path)
@@ -109,6 +111,114 @@ def test_torn_spool_tail_is_dropped_and_order_kept(api_server, client, tmp_path)
     resumed.close()
     metrics, _ = _stored(client, run_id)
     assert metrics == _expected(range(6))
+
+
+def test_spool_lines_of_the_wrong_shape_are_set_aside_and_the_rest_delivered(
+        client, tmp_path):
+    run_id = client.create_run({"seed": 3})["id"]
+    good = {"run_id": run_id, "kind": "metrics",
+            "items": [{"name": "val_loss", "global_step": 0, "value": 2.5}]}
+    bad = [{"kind": "metrics"}, {"run_id": run_id, "kind": "events", "items": "oops"},
+           {"run_id": run_id, "kind": "metrics", "items": [7]}]
+    spool = SpoolFile.create(tmp_path / run_id, "shapes")
+    for record in [*bad, good]:
+        spool.append(record)
+    spool.close()
+    report = replay_spools(client, tmp_path)
+    assert report.delivered == 1 and report.complete
+    rejected = tmp_path / run_id / "shapes.spool.jsonl.rejected"
+    assert report.rejected == {str(rejected): 3}
+    assert [json.loads(line) for line in rejected.read_text().splitlines()] == bad
+    assert [m["value"] for m in client.list_metrics(run_id)] == [2.5]
+
+
+class _FailsFirst:
+    """The real client, except that its first metric post raises `error`: a failure in the
+    sender's path that is not an ApiError (a bug, a library's surprise, a thread exit)."""
+
+    def __init__(self, client, error):
+        self._client, self._error = client, error
+        self.failed = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def post_metrics(self, *args, **kwargs):
+        if not self.failed.is_set():
+            self.failed.set()
+            raise self._error
+        return self._client.post_metrics(*args, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("error, disk_full_once", [
+    (RuntimeError("a bug in the sender's path"), True), (SystemExit(3), False)],
+    ids=["exception-then-disk-full", "thread-exit"])
+def test_records_handed_over_survive_a_failing_sender(client, tmp_path, monkeypatch, error,
+                                                       disk_full_once):
+    run_id = client.create_run({"seed": 6})["id"]
+    if disk_full_once:     # spooling what the failed sender held fails once too
+        append, full = SpoolFile.append, [True]
+
+        def append_on_a_full_disk(spool, record):
+            if full[0]:
+                full[0] = False
+                raise OSError(errno.ENOSPC, "No space left on device")
+            append(spool, record)
+
+        monkeypatch.setattr(SpoolFile, "append", append_on_a_full_disk)
+    failing = _FailsFirst(client, error)
+    callback = ApiCallback(failing, run_id, tmp_path, flush_interval_s=0.0, max_backoff_s=0.1,
+                           close_timeout_s=30.0)
+    _emit(callback, range(5))
+    assert failing.failed.wait(30)
+    _emit(callback, range(5, 10))          # handed over after the failure
+    callback.close()
+    report = replay_spools(client, tmp_path)
+    assert report.complete
+    assert callback.owed_records == report.delivered
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(10)) and len(events) == 10
+
+
+@pytest.mark.parametrize("answer", ["html", "bad-gzip"])
+def test_an_answer_no_client_can_read_is_transient_and_the_sender_goes_on(
+        api_server, client, tmp_path, answer):
+    run_id = client.create_run({"seed": 7})["id"]
+    with FlakyProxy(api_server.url) as proxy, \
+            ApiClient(proxy.url, api_server.token, timeout_s=5, retries=0) as via_proxy:
+        proxy.broken = answer
+        with pytest.raises(ApiUnavailable):
+            via_proxy.get_run(run_id)
+        callback = ApiCallback(via_proxy, run_id, tmp_path, flush_interval_s=0.0,
+                               max_backoff_s=0.1, close_timeout_s=30.0)
+        _emit(callback, range(5))
+        assert callback.wait_handled(30) and callback.spooled
+        proxy.broken = None                 # the proxy recovers: the same sender delivers
+        _emit(callback, range(5, 10))
+        callback.close()
+    assert callback.owed_records == 0
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(10)) and len(events) == 10
+
+
+def test_a_refused_token_is_raised_on_the_training_thread_and_nothing_is_lost(
+        api_server, client, tmp_path):
+    run_id = client.create_run({"seed": 5})["id"]
+    with ApiClient(api_server.url, "crc_not-a-valid-token", retries=0) as refused:
+        callback = ApiCallback(refused, run_id, tmp_path, flush_interval_s=0.0)
+        _emit(callback, range(3))
+        assert callback.wait_handled(30)
+        with pytest.raises(ApiError) as info:
+            callback.flush()
+        assert info.value.status_code in (401, 403)
+        with pytest.raises(ApiError):
+            callback.close()
+    assert callback.owed_records == 3 * 4            # kept for when the token is fixed
+    report = replay_spools(client, tmp_path)
+    assert report.complete and report.delivered == 3 * 4
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(3)) and len(events) == 3
 
 
 # replica 0's stage 1 is down at steps 0-1, replica 1's at 1-2: at step 1 both are down, so a
@@ -168,3 +278,52 @@ def test_a_training_run_reports_what_was_done_about_each_down_stage(client, tmp_
     bars = {t.name: sorted(zip(t.y, t.base, t.x, t.text, strict=True)) for t in fig.data
             if t.type == "bar"}
     assert bars == _BARS[strategy]
+
+
+def _database_online(admin_url, url, online):
+    """Take the registry's database away (refuse new connections, end the open ones) or give it
+    back: what a Postgres restart looks like to the API, without touching the other tests'
+    databases on the same server."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = make_url(url).database
+    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(online).lower()}'))
+            if not online:
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE datname = :name AND pid <> pg_backend_pid()"),
+                             {"name": name})
+    finally:
+        engine.dispose()
+
+
+def test_database_outage_mid_run_answers_503_and_loses_nothing(api_server, client, tmp_path,
+                                                               pg_admin_url):
+    import httpx
+
+    run_id = client.create_run({"seed": 6, "faults": {"p": 0.1}})["id"]
+    callback = ApiCallback(client, run_id, tmp_path / "spool", batch_size=7,
+                           flush_interval_s=0.0, close_timeout_s=30.0)
+    _emit(callback, range(0, 10))
+    assert callback.wait_handled(30) and not callback.spooled
+    _database_online(pg_admin_url, api_server.database_url, False)
+    try:
+        # the API stays up and says the registry is unavailable: a 503, never a 500
+        answer = httpx.post(f"{api_server.url}/api/v1/runs/{run_id}/metrics:batch",
+                            json={"items": [{"name": "val_loss", "global_step": 99,
+                                             "value": 1.0}]},
+                            headers={"Authorization": f"Bearer {api_server.token}"}, timeout=10)
+        assert answer.status_code == 503, answer.text
+        _emit(callback, range(10, 25))
+        assert callback.wait_handled(30) and callback.spooled
+    finally:
+        _database_online(pg_admin_url, api_server.database_url, True)
+    _emit(callback, range(25, 40))
+    callback.close()
+    assert callback.owed_records == 0
+    metrics, events = _stored(client, run_id)
+    assert metrics == _expected(range(40))
+    assert len(events) == 40 and len({e["id"] for e in events}) == 40

@@ -12,9 +12,27 @@ import pytest
 import torch
 
 from crucible.gather import agree, load_agreed, upload_contribution
-from crucible.sparseloco import aggregate, decode_contribution, encode_contribution
-from crucible.store import LocalStore, S3Store, StoreError, TransientStoreError, open_store
-from tests.unit.test_store import EXPECTED_TRACE, store_contract_trace
+from crucible.sparseloco import (
+    aggregate,
+    contribution_bytes,
+    decode_contribution,
+    encode_contribution,
+    run_tag,
+)
+from crucible.store import (
+    LocalStore,
+    S3Store,
+    StoreError,
+    TransientStoreError,
+    open_store,
+)
+from tests.unit.test_store import (
+    EXPECTED_TRACE,
+    SIZE_TRACE,
+    refused_read_peak,
+    size_limit_trace,
+    store_contract_trace,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +42,42 @@ def test_s3_store_follows_the_same_contract(s3_endpoint: str, s3_bucket: str,
                                             prefix: str) -> None:
     store = S3Store(s3_bucket, prefix, endpoint_url=s3_endpoint, region="us-east-1")
     assert store_contract_trace(store) == EXPECTED_TRACE
+
+
+def test_s3_store_sizes_and_bounded_reads(s3_endpoint: str, s3_bucket: str) -> None:
+    store = S3Store(s3_bucket, "p", endpoint_url=s3_endpoint, region="us-east-1")
+    assert size_limit_trace(store) == SIZE_TRACE
+
+
+def test_a_bounded_s3_read_refuses_a_huge_object_from_its_headers(s3_endpoint: str,
+                                                                  s3_bucket: str) -> None:
+    """The GET's Content-Length says 32 MiB: refused before the body is read."""
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1")
+    store.put("big", bytes(32 << 20))
+    assert store.exists("big")  # the client's lazy set-up happens before the measurement
+    assert refused_read_peak(store, "big", 32 << 20) < 4 << 20
+
+
+def test_gather_refuses_an_oversized_s3_object_without_reading_it(s3_endpoint: str,
+                                                                  s3_bucket: str) -> None:
+    class Reads(S3Store):
+        read: list[str] = []
+
+        def get(self, key: str, **kwargs: object) -> bytes:
+            self.read.append(key)
+            return super().get(key, **kwargs)
+
+    shapes = {"w": (128, 64), "b": (64,)}
+    store = Reads(s3_bucket, "runs", endpoint_url=s3_endpoint, region="us-east-1")
+    blob = encode_contribution({n: torch.ones(s) for n, s in shapes.items()}, {}, beta=0.95,
+                               stage=1, replica=0, global_step=3, run_tag=run_tag("exp"))[0]
+    upload_contribution(store, "exp", 3, 1, 0, blob)
+    upload_contribution(store, "exp", 3, 1, 1, bytes(8 << 20))    # junk, 8 MiB
+    manifest = agree(store, "exp", 3, 1, expected_replicas=2, max_blob_bytes=len(blob),
+                     decode=lambda b: decode_contribution(b, shapes, stage=1))
+    assert manifest.included == [0] and "not read" in manifest.rejected[0].reason
+    assert "exp/00000003/stage-1/replica-1" not in store.read
+    assert len(blob) == contribution_bytes(shapes)
 
 
 def test_prefix_keeps_keys_under_it(s3_endpoint: str, s3_bucket: str) -> None:
@@ -70,7 +124,8 @@ def test_gather_through_s3_matches_gather_through_a_directory(s3_endpoint: str, 
     shapes = {"w": (128, 64), "b": (64,)}
     gen = torch.Generator().manual_seed(2)
     blobs = [encode_contribution({n: torch.randn(s, generator=gen) for n, s in shapes.items()},
-                                 {}, beta=0.95, stage=1, replica=r, global_step=3)[0]
+                                 {}, beta=0.95, stage=1, replica=r, global_step=3,
+                                 run_tag=run_tag("exp"))[0]
              for r in range(4)]
     blobs[2] = blobs[2][:-9]  # one truncated upload
 
@@ -81,7 +136,8 @@ def test_gather_through_s3_matches_gather_through_a_directory(s3_endpoint: str, 
     for store in (LocalStore(tmp_path), S3Store(s3_bucket, "runs", endpoint_url=s3_endpoint)):
         for replica in (0, 1, 2, 3):
             upload_contribution(store, "exp", 3, 1, replica, blobs[replica])
-        manifest = agree(store, "exp", 3, 1, expected_replicas=5, decode=decode)
+        manifest = agree(store, "exp", 3, 1, expected_replicas=5, decode=decode,
+                         max_blob_bytes=contribution_bytes(shapes))
         agg = aggregate(load_agreed(store, manifest, decode), shapes)
         results.append((manifest.to_json(), agg,
                         store.get("exp/00000003/stage-1/manifest.json")))

@@ -48,3 +48,151 @@ def test_presets_lists_every_preset():
     assert done.returncode == 0, done.stderr
     names = [row["name"] for row in json.loads(done.stdout)]
     assert names == ["smoke", "small", "study", "paper-178m"]
+
+
+def _one_error_line(done) -> str:
+    """The command's single `error:` line; a traceback or a second error fails the test."""
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["store.url=file://relative"], ["store.url='file://relative'", "file:///var/crucible"]),
+    (["store.url=s3://"], ["store.url='s3://'", "needs a bucket"]),
+    (["store.url=file:///proc/self"], ["store.url='file:///proc/self'", "pseudo-filesystem"]),
+    (["store.endpoint_url=notaurl"], ["store.endpoint_url='notaurl'", "http://127.0.0.1:9000"]),
+    (["sparseloco.chunk=128"], ["sparseloco.chunk=128", "[1, 64]"]),
+    # accepted before, then grew until the kernel killed them (22.3 GB)
+    (["train.batch_size=1000000", "data.allow_repeat=true"],
+     ["not enough memory", "training step", "available", "lower train.batch_size"]),
+    (["replicas=100000", "data.allow_repeat=true"],
+     ["not enough memory", "model state", "available", "replicas"]),
+])
+def test_value_that_cannot_run_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides,
+                                                                        needles):
+    out = tmp_path / "out"
+    args = [item for o in overrides for item in ("--set", o)]
+    done = _crucible("run", "--preset", "smoke", *args, "--out", str(out), "--no-progress")
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    for needle in needles:
+        assert needle in line
+    assert not out.exists()
+
+
+def test_cuda_device_without_a_gpu_exits_2(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    done = _crucible("run", "--preset", "smoke", "--set", "train.device=cuda", "--out",
+                     str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "train.device=cuda but no CUDA device is available" in _one_error_line(done)
+
+
+def test_file_store_that_cannot_be_a_folder_exits_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    done = _crucible("run", "--preset", "smoke", "--set", f"store.url={blocker.as_uri()}",
+                     "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert f"store.url='{blocker}' is a file, not a folder" in _one_error_line(done)
+
+
+@pytest.mark.parametrize("where, needle", [
+    ("a-file", "is a file, not a folder"),
+    ("a-file/below", "a part of the path is a file"),
+    ("/proc/self", "is not writable"),
+    ("/proc/crucible-out", "cannot be created"),
+])
+def test_bad_out_path_exits_2_naming_it(tmp_path, where, needle):
+    (tmp_path / "a-file").write_text("not a folder")
+    out = where if where.startswith("/") else str(tmp_path / where)
+    done = _crucible("run", "--preset", "smoke", "--out", out)
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    assert f"--out='{out}'" in line and needle in line
+
+
+def test_unreachable_s3_endpoint_is_one_line_naming_it_and_resume(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:   # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    done = _crucible("run", "--preset", "smoke", "--set", "store.url=s3://crucible-gone/runs",
+                     "--set", f"store.endpoint_url=http://127.0.0.1:{port}", "--out", str(out),
+                     "--no-progress")
+    assert done.returncode == 1
+    line = _one_error_line(done)
+    for needle in (f"endpoint http://127.0.0.1:{port}", "s3://crucible-gone/runs",
+                   f"crucible run --resume --out {out}"):
+        assert needle in line
+    assert not (out / "summary.json").exists()
+
+
+def test_unusable_checkpoints_on_resume_are_one_line_exit_2(tmp_path):
+    out = tmp_path / "out"
+    first = _crucible("run", "--preset", "smoke", "--set", "train.global_steps=4",
+                      "--set", "train.checkpoint_every=2", "--out", str(out), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    run_key = json.loads((out / "run.json").read_text())["run_key"]
+    written = list((out / "store" / run_key / "checkpoints").iterdir())
+    assert written
+    for path in written:   # every checkpoint and the pointer: nothing to fall back on
+        path.write_bytes(b"\x00garbage")
+    done = _crucible("run", "--preset", "smoke", "--set", "train.global_steps=4",
+                     "--set", "train.checkpoint_every=2", "--out", str(out), "--resume",
+                     "--no-progress")
+    assert done.returncode == 2
+    assert "checkpoint" in _one_error_line(done)
+
+
+def test_run_key_from_an_edited_run_json_is_refused_on_resume(tmp_path):
+    # run.json's run key is the run's store prefix: '../..' would reach outside the store
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"run_key": "../../etc",
+                                              "store_url": (out / "store").as_uri()}))
+    done = _crucible("run", "--preset", "smoke", "--out", str(out), "--resume", "--no-progress")
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    assert "run_key in" in line and "'../../etc' is not a valid id" in line
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--work-dir", "{tmp}/a-file"], "--work-dir='{tmp}/a-file' is a file, not a folder"),
+    (["--work-dir", "{tmp}/work", "--out", "{tmp}/work"], "--out='{tmp}/work' is a folder"),
+    (["--work-dir", "{tmp}/work", "--out", "{tmp}/a-file/report.html"],
+     "folder of --out='{tmp}/a-file' is a file"),
+    (["--work-dir", "{tmp}/work", "--set", "replicas=100000", "--set", "data.allow_repeat=true"],
+     "not enough memory"),
+])
+def test_sweep_refuses_what_cannot_run_before_starting(tmp_path, args, needle):
+    (tmp_path / "a-file").write_text("not a folder")
+    args = [a.format(tmp=tmp_path) for a in args]
+    done = _crucible("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1", *args)
+    assert done.returncode == 2
+    assert needle.format(tmp=tmp_path) in _one_error_line(done)
+    assert "Starting temporary server" not in done.stdout + done.stderr   # nothing started
+
+
+def test_study_refuses_cells_this_machine_cannot_run_before_starting(tmp_path):
+    spec = tmp_path / "studies" / "big.toml"
+    spec.parent.mkdir()
+    spec.write_text('name = "big"\npreset = "smoke"\nseeds = [0]\n'
+                    'set = ["replicas=100000", "data.allow_repeat=true"]\n'
+                    '[[grid]]\narms = ["ssn"]\nstrategies = ["skip"]\np = [0.1]\n')
+    done = _crucible("study", "run", str(spec))
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    assert "not enough memory" in line and "replicas" in line
+    assert not (tmp_path / "runs").exists()

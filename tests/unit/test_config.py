@@ -52,3 +52,51 @@ def test_overrides_round_trip_through_dict():
 def test_unknown_preset_lists_names():
     with pytest.raises(ConfigError, match=r"choose one of: smoke, small, study, paper-178m"):
         get_preset("huge")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("store.url=file://relative", "store.url='file://relative': a file URL needs an absolute path"),
+    ("store.url=s3://", "store.url='s3://': an S3 URL needs a bucket"),
+    ("store.url=s3://bucket:9000/x", "'bucket:9000' is not a bucket name"),
+    ("store.url=s3://bucket/../x", "bad key prefix"),
+    ("store.url=file:///proc/self", "store.url='file:///proc/self' is inside a system "
+                                    "pseudo-filesystem"),
+    ("store.url=file:///sys/fs", "pseudo-filesystem"),
+    ("store.url=http://x", "store.url='http://x' is not supported"),
+    ("store.endpoint_url=notaurl", "store.endpoint_url='notaurl' is not an http(s) URL"),
+    ("store.endpoint_url=ftp://host", "store.endpoint_url='ftp://host' is not an http(s) URL"),
+])
+def test_store_location_is_checked_at_construction(override, needle):
+    with pytest.raises(ConfigError) as caught:
+        apply_overrides(get_preset("smoke"), [override])
+    assert needle in str(caught.value)
+
+
+@pytest.mark.parametrize("override", ["store.url=file:///var/crucible/store",
+                                      "store.url=file://localhost/var/x",
+                                      "store.url=s3://bucket", "store.url=s3://my.bucket/a/b/",
+                                      "store.endpoint_url=http://127.0.0.1:9000",
+                                      "store.endpoint_url=https://acct.r2.cloudflarestorage.com"])
+def test_good_store_locations_are_accepted(override):
+    apply_overrides(get_preset("smoke"), [override])
+
+
+def test_chunk_larger_than_the_codec_addresses_is_refused_up_front():
+    # 12-bit chunk-local indices: a 128-edge chunk used to fail only in the first outer sync
+    from crucible.sparseloco._chunking import MAX_CHUNK
+
+    with pytest.raises(ConfigError, match=r"sparseloco.chunk=128 is too large.*\[1, 64\]"):
+        apply_overrides(get_preset("smoke"), ["sparseloco.chunk=128"])
+    assert MAX_CHUNK == 64
+    apply_overrides(get_preset("smoke"), ["sparseloco.chunk=64"])
+
+
+def test_more_global_steps_than_a_contribution_header_holds_are_refused():
+    with pytest.raises(ConfigError, match="32-bit"):
+        apply_overrides(get_preset("smoke"), {"train.global_steps": 2**32})
+    # drop_extend can run (duration + 1) times longer than configured
+    with pytest.raises(ConfigError, match="faults.duration"):
+        apply_overrides(get_preset("smoke"), {"train.global_steps": 2**29,
+                                              "faults.strategy": "drop_extend",
+                                              "faults.duration": 8})
+    apply_overrides(get_preset("smoke"), {"train.global_steps": 2**32 - 1})

@@ -68,7 +68,18 @@ def test_truncated_bytes() -> None:
 
 
 def test_wrong_version() -> None:
-    assert "format version 2" in _reason(_patch(_blob(), 4, "<H", 2))
+    assert "format version 3" in _reason(_patch(_blob(), 4, "<H", 3))
+
+
+def test_version_1_blobs_still_decode_without_a_run_tag() -> None:
+    """Version 1 kept the global step in a u64 where version 2 keeps step u32 + run tag u32: a
+    version 1 blob of a step < 2**32 reads the same, with no run tag (the gather refuses it)."""
+    v2 = encode_contribution({n: torch.ones(s) for n, s in SHAPES.items()}, {}, beta=0.95,
+                             stage=1, replica=0, global_step=4, run_tag=0)[0]
+    v1 = _patch(v2, 4, "<H", 1)
+    got = decode_contribution(v1, SHAPES, stage=1, global_step=4)
+    assert (got.version, got.global_step, got.run_tag) == (1, 4, None)
+    assert decode_contribution(v2, SHAPES, stage=1).run_tag == 0
 
 
 def test_bad_magic() -> None:

@@ -45,7 +45,11 @@ def test_only_baseline_probability_is_an_empty_grid() -> None:
 
 
 def test_bad_store_url_and_override_are_named() -> None:
-    assert "must start with file:// or s3://" in _error(store_url="http://x")
+    assert "store_url='http://x' is not supported; use file:///abs/path" in _error(
+        store_url="http://x")
+    assert "store_url='file://relative': a file URL needs an absolute path" in _error(
+        store_url="file://relative")
+    assert "store_url='s3://': an S3 URL needs a bucket" in _error(store_url="s3://")
     assert "key.path=value" in _error(overrides=["replicas"])
 
 

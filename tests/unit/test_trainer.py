@@ -202,6 +202,41 @@ def test_resume_reaches_the_same_numbers_bit_for_bit(tmp_path, compression):
     assert len(lines) == len((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
 
 
+class _Collect(Callback):
+    """Keeps what it receives, keyed as the registry keys it (a reporter that loses nothing)."""
+
+    def __init__(self):
+        self.metrics, self.events = set(), set()
+
+    def metric(self, item):
+        self.metrics.add((item.name, item.global_step, item.replica))
+
+    def event(self, item):
+        self.events.add(item.id)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_resume_resends_what_a_killed_reporter_held(tmp_path):
+    # the reporter killed with the run (_Crash) delivered nothing; the resumed run's reporter
+    # must still receive every record of the run, those before the checkpoint included
+    cfg = tiny(**{"faults.p": 0.5, "faults.duration": 2, "train.global_steps": 5,
+                  "train.checkpoint_every": 2})
+    whole = _Collect()
+    train(cfg, out_dir=tmp_path / "whole", callback=whole)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, out_dir=tmp_path / "cut", callback=_Crash(after=3))
+    after_kill = _Collect()
+    train(cfg, out_dir=tmp_path / "cut", resume=True, callback=after_kill)
+    assert whole.events and any(step == 0 for _, step, _ in whole.metrics)
+    assert after_kill.metrics == whole.metrics
+    assert after_kill.events == whole.events
+
+
 def test_resume_refuses_a_different_config(tmp_path):
     cfg = tiny(**{"train.checkpoint_every": 1, "train.global_steps": 2})
     with pytest.raises(KeyboardInterrupt):
