@@ -182,6 +182,12 @@ def _link_baselines(session: Session, run: Run) -> None:
         .values(baseline_run_id=run.id))
 
 
+def _indexed_strategy(config: Config) -> str | None:
+    """The `runs.strategy` of a run: None for a p = 0 baseline (nothing fails, so its config's
+    `faults.strategy` means nothing; the baseline serves every strategy of its arm)."""
+    return None if float(config.faults.p) == 0.0 else config.faults.strategy
+
+
 def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID | None = None,
                name: str | None = None, config_hash: str | None = None,
                code_version: str | None = None) -> Run:
@@ -191,10 +197,11 @@ def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID 
     if sweep_id is not None:
         get_sweep(session, sweep_id=sweep_id)
     resolved = _resolve_config(config)
+    p = float(resolved.faults.p)
     run = Run(id=uuid.uuid4(), sweep_id=sweep_id, name=name, config=resolved.to_dict(),
               config_hash=config_hash, code_version=code_version,
-              compression=resolved.pipeline.compression, strategy=resolved.faults.strategy,
-              p=float(resolved.faults.p), duration=resolved.faults.duration,
+              compression=resolved.pipeline.compression, strategy=_indexed_strategy(resolved),
+              p=p, duration=resolved.faults.duration,
               seed=resolved.seed, preset=resolved.preset, status="pending")
     session.add(run)
     session.flush()

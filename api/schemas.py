@@ -57,8 +57,9 @@ MAX_JSON_BYTES = 1_000_000
 MAX_JSON_DEPTH = 32
 MAX_JSON_NUMBER = sys.float_info.max  # numbers in documents must be finite as doubles
 
-RunStatus = Literal["pending", "running", "completed", "failed"]
-SweepStatus = Literal["pending", "running", "completed", "failed"]
+# queued: waiting for a GPU slot; cancelled: stopped by the operator (final, like failed)
+RunStatus = Literal["pending", "queued", "running", "completed", "failed", "cancelled"]
+SweepStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
 Compression = Literal["none", "ssn", "mapl"]
 Strategy = Literal["skip", "drop", "drop_extend", "reroute"]
 MetricName = Literal[METRIC_NAMES]  # type: ignore[valid-type]
@@ -246,7 +247,8 @@ class RunPublic(BaseModel):
     config_hash: str | None
     code_version: str | None
     compression: str
-    strategy: str
+    strategy: str | None = Field(description="the mitigation strategy; null for a p = 0 baseline, "
+                                             "which serves every strategy of its arm")
     p: float
     duration: int
     seed: int

@@ -1,8 +1,10 @@
 """Robustness analysis of a failure sweep: pure, stdlib-only functions shared by the API and CLI.
 
 A run at failure probability p > 0 is paired with the baseline of the same sweep that has the
-same compression arm, seed and failure duration and p == 0 (strategies share baselines: at p = 0
-skip and drop are the same run). Its relative degradation is 100 * (L - L0) / L0 of the final
+same compression arm, seed and failure duration and p == 0. A baseline belongs to no strategy (at
+p = 0 nothing fails, so nothing is mitigated; the registry stores its strategy as None): it is
+paired with each strategy that a failure run of its arm used, and its own strategy, whatever it
+is, never makes a strategy appear. Its relative degradation is 100 * (L - L0) / L0 of the final
 validation loss. Per (arm, strategy, duration, p) the paired values are averaged over seeds with a
 95% Student-t interval; with a single seed there is no spread to estimate, so both bounds are
 None (never a fake zero-width interval).
@@ -20,7 +22,7 @@ __all__ = ["relative_degradation", "t_quantile", "summarise", "robustness", "rob
            "column_name"]
 
 _DONE = "completed"
-_UNFINISHED = ("pending", "running")
+_UNFINISHED = ("pending", "queued", "running")
 
 
 def relative_degradation(loss: float, baseline: float) -> float:
@@ -142,15 +144,18 @@ def robustness(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     final_val_loss, in creation order (a later run of the same cell and seed replaces an earlier
     one). Returns {"items": [...], "missing_baselines": [...], "pending_runs": int,
     "failed_runs": int}; items are sorted by (compression, strategy, duration, p) and include a
-    p = 0 row (mean 0, the baselines' run ids) for every arm x strategy x duration that has one.
+    p = 0 row (mean 0, the baselines' run ids) for every arm x strategy x duration that has a
+    baseline, where the strategies are those of the arm's failure (p > 0) runs only.
     """
     baselines = _baselines(runs)
     cells: dict[tuple[str, str, int, float], dict[int, tuple[float, str]]] = {}
     missing: dict[tuple[str, int, int], None] = {}
     strategies: dict[tuple[str, int], set[str]] = {}
     for run in runs:
+        if _is_baseline(run):
+            continue
         strategies.setdefault((run["compression"], run["duration"]), set()).add(run["strategy"])
-        if _is_baseline(run) or not _usable(run):
+        if not _usable(run):
             continue
         base = baselines.get((run["compression"], run["seed"], run["duration"]))
         if base is None:
@@ -160,7 +165,7 @@ def robustness(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         key = (run["compression"], run["strategy"], run["duration"], float(run["p"]))
         cells.setdefault(key, {})[run["seed"]] = (value, str(run["id"]))
     for (compression, seed, duration), base in baselines.items():
-        for strategy in strategies[(compression, duration)]:
+        for strategy in strategies.get((compression, duration), ()):
             key = (compression, strategy, duration, 0.0)
             cells.setdefault(key, {})[seed] = (0.0, str(base["id"]))
     return {

@@ -19,7 +19,8 @@ listing and the digests say which checkpoint is the newest good one.
 
 Checkpoints of earlier versions (format 1: a bare `torch.save`, no digest) are recognised and
 not resumed: when they are all a run has, `CheckpointError` says so and that the run must start
-again without --resume (their weights and config fields differ from what this version trains).
+again without --resume, with --overwrite (their weights and config fields differ from what this
+version trains).
 """
 from __future__ import annotations
 
@@ -100,6 +101,12 @@ def _comparable(config_json: str) -> dict[str, Any]:
     return config
 
 
+def same_configuration(config_json: str, other_json: str) -> bool:
+    """Whether two configurations describe the same run (where its store lives and how many
+    checkpoints it keeps may differ): the test a resume must pass."""
+    return _comparable(config_json) == _comparable(other_json)
+
+
 def save_checkpoint(store: Store, run_key: str, *, global_step: int, config_json: str,
                     state: dict[str, Any], keep: int = 2) -> str:
     """Write the state reached after `global_step` steps; returns its key. Checkpoints older
@@ -153,18 +160,18 @@ def load_latest(store: Store, run_key: str, *, config_json: str,
             raise CheckpointError(f"checkpoint {key} was written with a different configuration "
                                   "(or by an older crucible whose config fields or initial "
                                   "weights differ); resume with the same preset and --set "
-                                  "values, or use a new --out")
+                                  "values, start again with --overwrite, or use a new --out")
         for _, bad, reason in skipped:
             log.warning("skipped checkpoint %s (%s); resuming from %s", bad, reason, key)
         return LoadedCheckpoint(global_step=step, state=payload["state"], skipped=skipped)
     if skipped and all(reason == _FORMAT_1 for *_, reason in skipped):
         raise CheckpointError(f"the checkpoints of run {run_key} were {_FORMAT_1} and cannot be "
-                              "resumed; start the run again without --resume (or with a new "
-                              "--out)")
+                              "resumed; start the run again without --resume, with "
+                              "--overwrite (or with a new --out)")
     if skipped:
         reasons = "; ".join(f"{key}: {reason}" for _, key, reason in skipped)
         raise CheckpointError(f"no usable checkpoint for run {run_key} ({reasons}); start it "
-                              "again without --resume, or with a new --out")
+                              "again without --resume, with --overwrite, or with a new --out")
     return None
 
 

@@ -2,7 +2,7 @@
 dashboards meet.
 
     crucible presets
-    crucible run --preset NAME [--set key.path=value ...] [--out DIR] [--resume]
+    crucible run --preset NAME [--set key.path=value ...] [--out DIR] [--resume | --overwrite]
     crucible sweep ... | crucible deploy ...      (flows)
     crucible report --sweep ID --out FILE.html    (dashboards)
     crucible api ... | crucible db upgrade        (registry)
@@ -72,8 +72,15 @@ def presets(as_json: bool = typer.Option(False, "--json", help="machine-readable
 @app.command()
 def run(preset: str = typer.Option("smoke", "--preset", help="named configuration"),
         overrides: list[str] = typer.Option([], "--set", help="key.path=value (repeatable)"),
-        out: Path = typer.Option(Path("runs/latest"), "--out", help="output folder"),
-        resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
+        out: Path | None = typer.Option(
+            None, "--out", help="output folder (default: a new runs/<UTC time>-<preset>); a "
+                                "folder holding another run is refused unless --resume or "
+                                "--overwrite"),
+        resume: bool = typer.Option(False, "--resume", help="continue the run in --out from its "
+                                                            "last checkpoint (same preset and --set)"),
+        overwrite: bool = typer.Option(False, "--overwrite",
+                                       help="replace the run in --out: delete its records, model "
+                                            "and local store first (nothing else in the folder)"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
         skip_memory_check: bool = typer.Option(
             False, "--skip-memory-check",
@@ -83,7 +90,9 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
     """Train one run locally (no server needed) and write OUT/summary.json.
 
     Before anything is written, the run is checked against this machine: the device exists,
-    OUT (and a file:// store) can be written, and the estimated peak memory fits."""
+    OUT (and a file:// store) can be written, and the estimated peak memory fits. OUT never
+    mixes two runs: one that holds another run is refused (exit 2) unless --resume continues it
+    with the same configuration or --overwrite replaces it."""
     _setup_logging()
     from crucible.checkpoint import CheckpointError
     from crucible.config import ConfigError, apply_overrides
@@ -91,13 +100,25 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
     from crucible.presets import get_preset
     from crucible.store import StoreError
 
-    config = None
+    if resume and overwrite:
+        raise _fail("--resume and --overwrite exclude each other: --resume continues the run in "
+                    "--out, --overwrite replaces it")
+    if resume and out is None:
+        raise _fail("--resume needs --out: the folder of the run to continue")
+    config = summary = None
+    new_dir = out is None
     try:
         config = apply_overrides(get_preset(preset), overrides)
         from crucible.preflight import check_can_start
         from crucible.train import TrainingDiverged, train
 
+        if out is None:
+            out = _new_run_dir(preset)
+        else:
+            _check_run_folder(out, config.to_json(), resume=resume, overwrite=overwrite)
         check_can_start(config, out_dir=out, memory_check=not skip_memory_check)
+        if overwrite:
+            _clear_run_folder(out)
         summary = train(config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty())
     except (ConfigError, FaultPlanError) as exc:
         raise _fail(str(exc)) from None
@@ -108,6 +129,10 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         raise _fail(_store_failure(exc, endpoint, out), code=1) from None
     except TrainingDiverged as exc:
         raise _fail(str(exc), code=1) from None
+    finally:
+        if summary is None and new_dir and out is not None and out.is_dir() \
+                and not any(out.iterdir()):
+            out.rmdir()   # a run refused before it wrote anything leaves no empty folder
     initial = summary["initial_val_loss"]
     start = "" if initial is None else f"initial val loss {initial:.4f} -> "
     stderr = summary["val_loss_stderr"]
@@ -116,6 +141,87 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
                f"in {summary['wall_s']:.1f} s; "
                f"{summary['tokens_processed']} tokens")
     typer.echo(f"summary: {out / 'summary.json'}")
+
+
+# what `train()` writes into its folder; any of the first four means the folder holds a run
+_RUN_MARKERS = ("run.json", "summary.json", "metrics.jsonl", "events.jsonl")
+_RUN_FILES = (*_RUN_MARKERS, "model.pt", "val_windows.pt")
+
+
+def _new_run_dir(preset: str) -> Path:
+    """A new folder runs/<UTC time>-<preset>, created here so that two runs started in the same
+    second get two folders (-2, -3, ... after the second)."""
+    from datetime import UTC, datetime
+
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%SZ")
+    Path("runs").mkdir(exist_ok=True)
+    for n in range(1, 1000):
+        path = Path("runs") / (f"{stamp}-{preset}" + ("" if n == 1 else f"-{n}"))
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise _fail(f"runs/{stamp}-{preset}-1..999 all exist; pass --out with a new folder")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _check_run_folder(out: Path, config_json: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse (exit 2) an --out that would mix two runs: one holding another run without
+    --resume or --overwrite, or a --resume whose configuration differs from the run's
+    (the checkpoint check in `train()` only covers a run that wrote a checkpoint)."""
+    from crucible.checkpoint import same_configuration
+
+    held = [name for name in _RUN_MARKERS if (out / name).exists()] if out.is_dir() else []
+    if not held or overwrite:
+        return
+    if not resume:
+        raise _fail(f"--out='{out}' already holds a run ({', '.join(held)}); continue it with "
+                    "--resume, replace it with --overwrite, or pass another --out")
+    recorded = None
+    for name in ("run.json", "summary.json"):   # older runs: the config only in summary.json
+        record = _read_json(out / name)
+        if record is not None and isinstance(record.get("config"), dict):
+            recorded = json.dumps(record["config"])
+            break
+    if recorded is not None and not same_configuration(recorded, config_json):
+        raise _fail(f"--out='{out}' holds a run with a different configuration; --resume it with "
+                    "the same preset and --set values, replace it with --overwrite, or pass "
+                    "another --out")
+
+
+def _clear_run_folder(out: Path) -> None:
+    """Delete what a run wrote into `out` (--overwrite): its records, model and its local store
+    folder when that lies inside `out`. Other files in `out` are left alone."""
+    import shutil
+    from urllib.parse import unquote, urlparse
+
+    from crucible.config import ConfigError
+    from crucible.ids import validate_id
+
+    for name in ("run.json", "summary.json"):
+        record = _read_json(out / name) or {}
+        url, key = record.get("store_url"), record.get("run_key")
+        if not (isinstance(url, str) and url.startswith("file://") and isinstance(key, str)):
+            continue
+        try:
+            key = validate_id(key, field=f"run_key in {out / name}")
+        except ConfigError:   # an edited key: never a path to delete
+            continue
+        root = Path(unquote(urlparse(url).path)).resolve()
+        if root.is_relative_to(out.resolve()) and root != out.resolve():
+            shutil.rmtree(root / key, ignore_errors=True)
+            if root.is_dir() and not any(root.iterdir()):
+                root.rmdir()
+    for name in _RUN_FILES:
+        (out / name).unlink(missing_ok=True)
 
 
 def _store_failure(exc: Exception, endpoint_url: str | None, out: Path) -> str:

@@ -340,9 +340,9 @@ def _wait_s(until: float | None) -> float:
 
 def _owing(changes: dict[str, Any], owed: int) -> dict[str, Any]:
     """What the registry records while a finished run still owes `owed` records."""
-    if changes.get("status") == "failed":
-        reason = str(changes.get("status_reason") or "failed")[:_REASON_MAX]
-        return {"status": "failed", "status_reason": f"{reason}; {owed} records owed",
+    if changes.get("status") in ("failed", "cancelled"):   # final already: say what is owed
+        reason = str(changes.get("status_reason") or changes["status"])[:_REASON_MAX]
+        return {"status": changes["status"], "status_reason": f"{reason}; {owed} records owed",
                 "owed_records": owed}
     return {"status": "running", "status_reason": f"training finished; {owed} records owed",
             "owed_records": owed}

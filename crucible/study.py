@@ -471,7 +471,9 @@ def run_command(spec: Spec, cell: Cell) -> list[str]:
             "--preset", spec.preset, "--no-progress"]
     for item in cell.overrides():
         argv += ["--set", item]
-    return argv + ["--out", str(spec.runs_dir / cell.id)]
+    # a cell not in the results starts afresh: --overwrite drops what an interrupted attempt
+    # left in its folder, which `crucible run` would otherwise refuse (or mix into)
+    return argv + ["--out", str(spec.runs_dir / cell.id), "--overwrite"]
 
 
 def _shell_view(argv: Sequence[str]) -> str:

@@ -420,7 +420,9 @@ def _run_identity(out_dir: Path, config: Config, resume: bool,
     store_url = config.store.url or (out_dir / "store").resolve().as_uri()
     run_key = f"run-{uuid.uuid4().hex[:12]}" if run_key is None else validate_id(
         run_key, field="run_key")
-    ident = {"run_key": run_key, "store_url": store_url}
+    # the config too: a later `--resume` into this folder is checked against it even when the
+    # run stopped before its first checkpoint
+    ident = {"run_key": run_key, "store_url": store_url, "config": json.loads(config.to_json())}
     write_json_atomic(path, ident)
     return ident["run_key"], ident["store_url"]
 

@@ -30,9 +30,12 @@ from dashboards.style import (
 )
 
 __all__ = ["robustness_curves", "robustness_table", "loss_curves", "val_loss_points",
-           "fault_timeline", "token_accounting", "bytes_sent", "BYTE_KINDS"]
+           "fault_timeline", "token_accounting", "bytes_sent", "BYTE_KINDS", "BASELINE_LABEL"]
 
 P_AXIS_TITLE = "Failure probability per replica per global step (%)"
+# a baseline (p = 0) has no strategy of its own (the registry stores None); it is drawn with each
+# strategy of its arm, and under this name only when its arm has no failure run yet
+BASELINE_LABEL = "baseline"
 _ARM_ORDER = ("none", "ssn", "mapl")
 BYTE_KINDS: tuple[tuple[str, str], ...] = (
     ("boundary_forward", "boundary, forward"),
@@ -453,9 +456,9 @@ def _token_share(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dic
     for (arm, _strategy), by_p in shares.items():
         for p, values in baselines.get(arm, {}).items():
             by_p[p].extend(values)
-    for arm, by_p in baselines.items():  # a sweep with only baselines still shows them
-        if not any(key[0] == arm for key in shares):
-            shares[(arm, "skip")].update(by_p)
+    for arm, by_p in baselines.items():  # an arm with only baselines still shows them, as
+        if not any(key[0] == arm for key in shares):  # what they are (no strategy of their own)
+            shares[(arm, BASELINE_LABEL)].update(by_p)
     return shares
 
 

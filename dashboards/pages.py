@@ -59,7 +59,8 @@ table.data th { background: #eef2f6; position: sticky; top: 0; }
 table.data#facts { max-width: 640px; }
 table.data td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .status-completed, .status-finished { color: #1a7f37; } .status-failed { color: #cf222e; }
-.status-running, .status-pending { color: #9a6700; }
+.status-running, .status-pending, .status-queued { color: #9a6700; }
+.status-cancelled { color: #57606a; }
 a { color: var(--accent); }
 nav { font-size: 14px; margin-bottom: 4px; }
 .config-grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr));
@@ -138,7 +139,8 @@ def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
     banners = []
     finished = sum(1 for r in runs if _finished(r))
     pending = int(robustness.get("pending_runs") or 0)
-    running = sweep.get("status") in {"pending", "running"} or pending > 0
+    running = sweep.get("status") in {"pending", "running"} or (
+        pending > 0 and sweep.get("status") not in {"cancelled", "failed"})
     if not runs:
         banners.append(_banner("info", "This sweep has no runs yet. The page fills in as runs "
                                        "finish; reload to see progress."))
@@ -157,6 +159,11 @@ def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
     if failed:
         banners.append(_banner("error", f"{len(failed)} run(s) failed and are left out of the "
                                         "numbers; see the runs table below."))
+    cancelled = [r for r in runs if r.get("status") == "cancelled"]
+    if sweep.get("status") == "cancelled" or cancelled:
+        banners.append(_banner("warn", f"<b>Cancelled.</b> This sweep was cancelled; "
+                                       f"{len(cancelled)} run(s) did not finish and are left out "
+                                       "of the numbers."))
     missing = robustness.get("missing_baselines") or []
     if missing:
         items = ", ".join(f"{_esc(arm_label(str(m.get('compression'))))} seed {_esc(m.get('seed'))}"
@@ -176,10 +183,15 @@ def _relative(run: Mapping[str, Any], finals: Mapping[str, float]) -> str:
     return "—"
 
 
+def _strategy_text(run: Mapping[str, Any]) -> str:
+    """A run's strategy; a baseline (strategy None in the registry) has none of its own."""
+    return str(run.get("strategy") or figures.BASELINE_LABEL)
+
+
 def _runs_table(runs: Sequence[Mapping[str, Any]], run_href: RunHref | None) -> str:
     finals = {str(r["id"]): r["final_val_loss"] for r in runs
               if isinstance(r.get("final_val_loss"), (int, float))}
-    ordered = sorted(runs, key=lambda r: (str(r.get("compression")), str(r.get("strategy")),
+    ordered = sorted(runs, key=lambda r: (str(r.get("compression")), r.get("strategy") or "",
                                           r.get("p") or 0, r.get("seed") or 0))
     head = ("<tr><th>arm</th><th>strategy</th><th>p</th><th>seed</th><th>status</th>"
             "<th>final val loss</th><th>vs baseline</th><th>tokens (% of budget)</th>"
@@ -194,7 +206,7 @@ def _runs_table(runs: Sequence[Mapping[str, Any]], run_href: RunHref | None) -> 
         status = "running" if _owed(run) else _esc(run.get("status"))
         rows.append(
             f"<tr><td>{_esc(arm_label(str(run.get('compression'))))}</td>"
-            f"<td>{_esc(run.get('strategy'))}</td><td class=num>{_pct(run.get('p'))}</td>"
+            f"<td>{_esc(_strategy_text(run))}</td><td class=num>{_pct(run.get('p'))}</td>"
             f"<td class=num>{_esc(run.get('seed'))}</td>"
             f'<td class="status-{status}">{_status_text(run)}</td>'
             f"<td class=num>{_num(run.get('final_val_loss'), '.4f')}</td>"
@@ -255,7 +267,7 @@ def _config_table(config: Mapping[str, Any]) -> str:
 
 
 def _run_title(run: Mapping[str, Any]) -> str:
-    return (f"{arm_label(str(run.get('compression')))} · {run.get('strategy')}, "
+    return (f"{arm_label(str(run.get('compression')))} · {_strategy_text(run)}, "
             f"p = {_pct(run.get('p'))}, seed {run.get('seed')}")
 
 
@@ -313,7 +325,7 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
                                      "(they wait in its spool). The figures miss them, and the "
                                      "run is not counted as finished until they arrive "
                                      "(<code>crucible api replay</code>)."))
-    elif run.get("status") in {"pending", "running"}:
+    elif run.get("status") in {"pending", "queued", "running"}:
         parts.append(_banner("info", "This run is still in progress; figures show what has been "
                                      "recorded so far."))
     if baseline is None and (run.get("p") or 0) > 0:
@@ -324,7 +336,8 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
                      f'">{_esc(str(baseline["id"])[:8])}</a></p>')
     timeline = figures.fault_timeline(
         faults=summary.get("faults") or [], events=view.get("events") or [],
-        strategy=str(run.get("strategy")), replicas=config.get("replicas"),
+        strategy=str(run.get("strategy") or (config.get("faults") or {}).get("strategy")),
+        replicas=config.get("replicas"),
         global_steps=(config.get("train") or {}).get("global_steps"))
     parts += [_run_facts(run, baseline),
               _figure_html(figures.loss_curves(_loss_series(view)), "fig-loss"),

@@ -35,8 +35,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 __all__ = ["Base", "Sweep", "Run", "Metric", "Event", "ApiToken", "RUN_STATUSES", "SWEEP_STATUSES",
            "utcnow"]
 
-RUN_STATUSES = ("pending", "running", "completed", "failed")
-SWEEP_STATUSES = ("pending", "running", "completed", "failed")
+RUN_STATUSES = ("pending", "queued", "running", "completed", "failed", "cancelled")
+SWEEP_STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 
 # Named constraints so migrations can drop them by name on every backend.
 _NAMING = {
@@ -89,7 +89,9 @@ class Run(Base):
     code_version: Mapped[str | None] = mapped_column(String(128))
     # indexed copies of the config keys every query filters on
     compression: Mapped[str] = mapped_column(String(16))
-    strategy: Mapped[str] = mapped_column(String(16))
+    # NULL for a p = 0 baseline: it belongs to no strategy, every view pairs it with each
+    # strategy of its arm (its config still names one, irrelevant when nothing fails)
+    strategy: Mapped[str | None] = mapped_column(String(16))
     p: Mapped[float] = mapped_column(Float)
     duration: Mapped[int] = mapped_column(Integer)
     seed: Mapped[int] = mapped_column(BigInteger)

@@ -9,24 +9,41 @@ An existing limit is left as it is, so an operator can raise or lower it in the 
 The slot says how many runs may train on a host, not which device each gets: on a multi-GPU
 host `gpu_slot` also claims one device index through an exclusive file lock per device and makes
 it the thread's current CUDA device, so two runs never share a GPU while another idles.
+
+A slot is released when its run ends for any reason: the block's `finally` on success, failure
+and in-process cancellation (Prefect raises a termination signal through the flow), and
+`release_slots` from the flows' cancellation/crash hooks when the worker killed the run's
+process. Each held slot leaves a small holder file (lease id, flow run, run label, pid) in the
+system temp folder so that those hooks, and a run waiting for the slot ("waiting for gpu:HOST
+(held by RUN)"), know who holds it. A process killed where no hook runs still loses its slot
+when its lease expires (`_LEASE_S`).
 """
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
+import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+from uuid import UUID
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.concurrency.sync import concurrency
+from prefect.concurrency._leases import maintain_concurrency_lease
+from prefect.concurrency._sync import (
+    acquire_concurrency_slots_with_lease,
+    release_concurrency_slots_with_lease,
+)
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+# (private modules above: the public `concurrency()` never tells the lease id a hook releases)
 __all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "gpu_slot",
-           "claim_device_index"]
+           "claim_device_index", "slot_holders", "release_slots"]
 
 _log = logging.getLogger(__name__)
 
@@ -72,18 +89,96 @@ def ensure_gpu_limit(name: str | None = None, slots: int | None = None) -> int:
 
 
 @contextmanager
-def gpu_slot(name: str | None = None, timeout_s: float | None = None) -> Iterator[str]:
+def gpu_slot(name: str | None = None, timeout_s: float | None = None, *,
+             run: str | None = None, flow_run_id: str | None = None,
+             log: Any = None) -> Iterator[str]:
     """Hold one slot of this host's GPU limit for the duration of the block; yields the limit's name.
 
-    Waits (forever by default, else up to `timeout_s`, raising TimeoutError) for a free slot.
+    Waits (forever by default, else up to `timeout_s`, raising TimeoutError) for a free slot;
+    when none is free it first logs "waiting for gpu:HOST (held by RUN)" to `log` (default this
+    module's logger). `run` (a label such as the registry id) and `flow_run_id` name the holder,
+    so that waiters can say who holds the slot and `release_slots(flow_run_id)` can free it.
     """
     name = name or gpu_limit_name()
     ensure_gpu_limit(name)
-    with concurrency(name, occupy=1, timeout_seconds=timeout_s, lease_duration=_LEASE_S,
-                     strict=True):
-        with claim_device_index(_cuda_count()) as index:
-            _use_device(index)
-            yield name
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    if limit.active_slots >= limit.limit:
+        # none known: the holders' files are in another temp folder (another container)
+        holders = [h.get("run") or "?" for h in slot_holders(name)] or ["an unknown run"]
+        (log or _log).info("waiting for %s (held by %s)", name, ", ".join(holders))
+    lease = acquire_concurrency_slots_with_lease([name], 1, timeout_seconds=timeout_s,
+                                                 lease_duration=_LEASE_S, strict=True)
+    holder_file = _holder_dir() / f"{lease.lease_id}.json"
+    holder_file.write_text(json.dumps({"limit": name, "lease_id": str(lease.lease_id),
+                                       "flow_run_id": flow_run_id, "run": run,
+                                       "pid": os.getpid()}))
+    try:
+        with maintain_concurrency_lease(lease.lease_id, _LEASE_S,
+                                        raise_on_lease_renewal_failure=True):
+            with claim_device_index(_cuda_count()) as index:
+                _use_device(index)
+                yield name
+    finally:
+        _release(lease.lease_id, holder_file)
+
+
+def _holder_dir() -> Path:
+    folder = Path(tempfile.gettempdir()) / "crucible-gpu-slots"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
+
+
+def _holder_files() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every slot held on this host: (its file, its record); files of dead processes are
+    removed (their lease expires on the server by itself)."""
+    for path in sorted(_holder_dir().glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):   # being written or removed right now
+            continue
+        if not _alive(int(record.get("pid") or 0)):
+            path.unlink(missing_ok=True)
+            continue
+        yield path, record
+
+
+def slot_holders(name: str | None = None) -> list[dict[str, Any]]:
+    """The live holders of limit `name` (default `gpu:<hostname>`) on this host: records with
+    lease_id, flow_run_id, run and pid."""
+    name = name or gpu_limit_name()
+    return [record for _path, record in _holder_files() if record.get("limit") == name]
+
+
+def release_slots(flow_run_ids: Iterable[str]) -> int:
+    """Release every GPU slot on this host held by one of `flow_run_ids` (a flow run that was
+    cancelled or crashed, whose own process may be gone); returns how many were released.
+    Releasing a lease that already ended is harmless."""
+    wanted = {str(i) for i in flow_run_ids}
+    released = 0
+    for path, record in list(_holder_files()):
+        if record.get("flow_run_id") in wanted:
+            _release(UUID(record["lease_id"]), path)
+            released += 1
+    return released
+
+
+def _release(lease_id: UUID, holder_file: Path) -> None:
+    holder_file.unlink(missing_ok=True)
+    try:
+        release_concurrency_slots_with_lease(lease_id)
+    except ObjectNotFound:   # released already (by a hook) or expired
+        pass
 
 
 def _cuda_count() -> int:

@@ -6,6 +6,14 @@ earlier attempt left in the spools is set aside first) -> train while holding a 
 the registry client as the metric/event callback and checkpoints in the configured store -> mark
 the run completed with its results, or failed with the reason.
 
+States in the registry: `queued` from registration until the run holds a GPU slot ("waiting for
+gpu:HOST (held by RUN)" in the log while a sibling holds it), `running` while it trains, then
+`completed` or `failed`. A flow run cancelled in Prefect (the UI, `prefect flow-run cancel`) or
+crashed (its process killed) runs the flow's `on_cancellation` / `on_crashed` hook - in the
+worker's runner when the run's process was killed - which releases the run's GPU slot at once
+and records the run `cancelled` / `failed` through its spool, like any final state, so no
+record it still owes is lost.
+
 Nothing is claimed before it is true: the final state goes through the run's spool folder
 (`crucible.replay.record_finish`) and is recorded only once every metric and event the run
 reported has reached the registry. When some are still owed (the registry was down at the end),
@@ -44,7 +52,7 @@ from crucible.reporting import (
     supersede_finish,
 )
 from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
-from flows.gpu import gpu_slot
+from flows.gpu import gpu_slot, release_slots
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_callback, make_client
 from flows.settings import FlowSettings
@@ -143,10 +151,10 @@ def drain_spools(settings: FlowSettings) -> dict[str, int]:
 def register_run(config: Config, sweep_id: str | None, run_id: str | None,
                  settings: FlowSettings) -> str:
     """The registry id of this run: `run_id` when a sweep pre-registered it, else the record an
-    earlier attempt of this same Prefect flow run created, else a new record. Marked running
-    once the final state an earlier attempt left in the spools is set aside (waiting up to
-    `settings.replay_timeout_s` for a replay recording it right now), so that no replay
-    applies it to this attempt."""
+    earlier attempt of this same Prefect flow run created, else a new record. Marked queued
+    (for its GPU slot) once the final state an earlier attempt left in the spools is set aside
+    (waiting up to `settings.replay_timeout_s` for a replay recording it right now), so that no
+    replay applies it to this attempt."""
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     with make_client(settings) as client:
         return _register(client, config, sweep_id, run_id, flow_run_id,
@@ -169,7 +177,7 @@ def _register(client: Any, config: Config, sweep_id: str | None, run_id: str | N
         run_id = str(created["id"])
     before_running(validate_id(run_id, field="run_id"))
     # an earlier attempt's reason ("...; N records owed") does not describe this one
-    client.update_run(run_id, status="running", status_reason=None,
+    client.update_run(run_id, status="queued", status_reason=None,
                       prefect_flow_run_id=flow_run_id)
     return run_id
 
@@ -197,8 +205,11 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
                     memory_check=False)
     callback = _AttemptCallback(make_callback(settings, run_id), crash_after_global_steps,
                                 out_dir / _CRASH_MARKER)
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     try:
-        with gpu_slot() as slot:
+        with gpu_slot(run=run_id, flow_run_id=flow_run_id, log=logger) as slot:
+            with make_client(settings) as client:
+                client.update_run(run_id, status="running")
             if not settings.skip_memory_check:   # MemoryBusy (it fits alone) is retried
                 check_memory(config, shared=True)
             logger.info("training run %s (%s) in %s, slot %s",
@@ -250,7 +261,60 @@ def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(clean(summary), default=str))
 
 
-@flow(name="train-run", log_prints=False, validate_parameters=True)
+_FINAL = ("completed", "failed", "cancelled")
+# how long a hook waits for a run's spool to settle: a dying process may still hold it, and its
+# final state waits on disk for the next replay anyway
+_HOOK_SETTLE_S = 5.0
+
+
+def end_flow_runs(settings: FlowSettings, flow_run_ids: list[str], runs: list[dict[str, Any]],
+                  status: str, reason: str) -> None:
+    """What the hooks of a cancelled or crashed flow run do: release the GPU slots its flow runs
+    (`flow_run_ids`) hold on this host, then record each of `runs` (registry records) that has no
+    final state yet as `status` with `reason`: at once, and through its spool (`record_finish`),
+    so records it still owes are replayed and counted on it, now or by the next replay. A run
+    that finished training and only owes records (`running` with `owed_records`) is left as it
+    is: its final state already waits in its spool."""
+    released = release_slots(flow_run_ids)
+    if released:
+        _log.info("released %d GPU slot(s) of flow run(s) %s", released, ", ".join(flow_run_ids))
+    with make_client(settings) as client:
+        for run in runs:
+            if run.get("status") in _FINAL or run.get("owed_records"):
+                continue
+            changes = {"status": status, "status_reason": reason}
+            try:
+                client.update_run(str(run["id"]), **changes)
+                record_finish(client, settings.spool_root, str(run["id"]), changes,
+                              timeout_s=min(_HOOK_SETTLE_S, settings.replay_timeout_s))
+            except ApiUnavailable as exc:   # waits in the spool for the next replay
+                _log.warning("run %s: %s", run["id"], exc)
+
+
+def _own_runs(settings: FlowSettings, flow_run: Any) -> list[dict[str, Any]]:
+    """The registry record(s) of a train-run flow run: its `run_id` parameter, else the run
+    registered with its flow run id."""
+    params = flow_run.parameters or {}
+    with make_client(settings) as client:
+        if params.get("run_id"):
+            return [client.get_run(str(params["run_id"]))]
+        return [run for run in client.list_runs(sweep_id=params.get("sweep_id"))
+                if run.get("prefect_flow_run_id") == str(flow_run.id)]
+
+
+def _state_hook(status: str, lead: str) -> Callable[[Any, Any, Any], None]:
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        settings = FlowSettings()
+        reason = f"{lead}: {state.message}" if state.message else lead
+        end_flow_runs(settings, [str(flow_run.id)], _own_runs(settings, flow_run), status,
+                      reason[:4000])
+    hook.__name__ = f"mark_run_{status}"
+    return hook
+
+
+@flow(name="train-run", log_prints=False, validate_parameters=True,
+      on_cancellation=[_state_hook("cancelled", "flow run cancelled")],
+      on_crashed=[_state_hook("failed", "flow run crashed")])
 def train_run(preset: str = "smoke", overrides: list[str] | None = None,
               sweep_id: str | None = None, run_id: str | None = None,
               store_url: str | None = None,

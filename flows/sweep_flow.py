@@ -14,6 +14,11 @@ now is completed, and then skipped) and again after its cells (a cell that ended
 to an unreachable registry may be complete by then). A cell whose run still owes records counts
 as neither completed nor failed: the outcome's "owed", and the registry shows it as running,
 left out of the robustness numbers, until the next replay delivers them.
+
+Cancel and crash: the flow's `on_cancellation` / `on_crashed` / `on_failure` hooks record the
+sweep `cancelled` / `failed` / `failed`; on cancel and crash every cell without a final state
+(pending, queued or running) becomes `cancelled` / `failed` too, and the GPU slots of its cells'
+flow runs on this host are released at once (see `flows.run_flow.end_flow_runs`).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from crucible.config import Config
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client
-from flows.run_flow import drain_spools, resolve_config, train_run
+from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
 from flows.spec import Cell, SweepSpec
 
@@ -139,7 +144,9 @@ def run_cell(label: str, preset: str, overrides: list[str], sweep_id: str, run_i
                                   flow_run_name=f"{label}")
         ok = flow_run.state is not None and flow_run.state.is_completed()
         reason = None if ok else (flow_run.state.message if flow_run.state else "no state")
-        return {"run_id": run_id, "status": "completed" if ok else "failed", "reason": reason}
+        cancelled = flow_run.state is not None and flow_run.state.is_cancelled()
+        status = "completed" if ok else "cancelled" if cancelled else "failed"
+        return {"run_id": run_id, "status": status, "reason": reason}
     try:
         return train_run.with_options(flow_run_name=label)(**parameters)
     except Exception as exc:  # recorded in the registry by the run flow; the sweep goes on
@@ -192,11 +199,56 @@ def _artifact_key(sweep_id: str, what: str) -> str:
     return f"sweep-{sweep_id[:8]}-{what}".lower()
 
 
-@flow(name="failure-sweep", log_prints=False, validate_parameters=True)
+def _sweep_of(client: Any, flow_run_id: str) -> dict[str, Any] | None:
+    """The sweep record that flow run `flow_run_id` registered (the newest, if several)."""
+    found, cursor = None, None
+    while True:
+        page = client.request("GET", "/api/v1/sweeps", params={"limit": 100, "cursor": cursor})
+        found = next((s for s in reversed(page["items"])
+                      if s.get("prefect_flow_run_id") == flow_run_id), found)
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            return found
+
+
+def _end_sweep(flow_run: Any, state: Any, *, status: str, lead: str, cells: bool) -> None:
+    """Record the sweep of `flow_run` as `status` unless it has a final state; with `cells`,
+    end its unfinished cells the same way and release their GPU slots."""
+    settings = FlowSettings()
+    reason = (f"{lead}: {state.message}" if state.message else lead)[:4000]
+    with make_client(settings) as client:
+        sweep = _sweep_of(client, str(flow_run.id))
+        if sweep is None:                       # ended before it registered anything
+            return
+        runs = _items(client.list_runs(sweep_id=str(sweep["id"]))) if cells else []
+        if sweep.get("status") not in ("completed", "failed", "cancelled"):
+            client.update_sweep(str(sweep["id"]), status=status)
+    if cells:
+        flow_runs = [str(flow_run.id)] + [str(r["prefect_flow_run_id"]) for r in runs
+                                          if r.get("prefect_flow_run_id")]
+        end_flow_runs(settings, flow_runs, runs, status, reason)
+
+
+def _on_cancelled(flow: Any, flow_run: Any, state: Any) -> None:
+    _end_sweep(flow_run, state, status="cancelled", lead="sweep cancelled", cells=True)
+
+
+def _on_crashed(flow: Any, flow_run: Any, state: Any) -> None:
+    _end_sweep(flow_run, state, status="failed", lead="sweep crashed", cells=True)
+
+
+def _on_failed(flow: Any, flow_run: Any, state: Any) -> None:
+    # the cells recorded their own outcome; only a sweep that failed before its end stays open
+    _end_sweep(flow_run, state, status="failed", lead="sweep failed", cells=False)
+
+
+@flow(name="failure-sweep", log_prints=False, validate_parameters=True,
+      on_cancellation=[_on_cancelled], on_crashed=[_on_crashed], on_failure=[_on_failed])
 def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
     """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
 
-    Returns {sweep_id, runs, completed, failed, owed, skipped, rows}; the flow run fails (after
+    Returns {sweep_id, runs, completed, failed, cancelled, owed, skipped, rows} (cancelled:
+    cells whose own flow run was cancelled); the flow run fails (after
     posting the artifacts) if any cell failed.
     """
     logger = get_run_logger()
@@ -223,7 +275,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     drain_spools(settings)     # cells that ended owing records may be complete now
     results = _registry_status(results, settings)
     failed = [r for r in results if r["status"] == "failed"]
-    owed = [r for r in results if r["status"] not in ("completed", "failed")]
+    cancelled = [r for r in results if r["status"] == "cancelled"]   # one cell cancelled
+    owed = [r for r in results if r["status"] not in ("completed", "failed", "cancelled")]
     if owed:
         logger.warning("%d run(s) of sweep %s still owe records to the registry (%s); they "
                        "count once the next replay delivers them (`crucible api replay`)",
@@ -232,8 +285,9 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     with make_client(settings) as client:
         client.update_sweep(sweep_id, status="failed" if failed else "completed")
     outcome = {"sweep_id": sweep_id, "runs": len(planned),
-               "completed": len(results) - len(failed) - len(owed), "failed": len(failed),
-               "owed": len(owed), "skipped": skipped, "rows": rows}
+               "completed": len(results) - len(failed) - len(owed) - len(cancelled),
+               "failed": len(failed), "cancelled": len(cancelled), "owed": len(owed),
+               "skipped": skipped, "rows": rows}
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(planned)} cells of sweep {sweep_id} failed: "
                            + "; ".join(f"{r['run_id']}: {r['reason']}" for r in failed[:5]))
@@ -246,7 +300,7 @@ def _registry_status(results: list[dict[str, Any]],
     the flow's own view cannot know that a later replay completed a run, nor, for a cell run
     as a deployment, that its run still owes records."""
     with make_client(settings) as client:
-        return [r if r["status"] == "failed" else
+        return [r if r["status"] in ("failed", "cancelled") else
                 {**r, "status": client.get_run(r["run_id"])["status"]} for r in results]
 
 

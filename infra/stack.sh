@@ -11,13 +11,20 @@
 # Settings (environment): STACK_DIR (default .crucible/stack), PG_PORT (55432), PREFECT_PORT
 # (4200), API_PORT (8000), VENV (.venv). State, logs and pids live in STACK_DIR; the API token is
 # generated once into STACK_DIR/api-token. Everything listens on 127.0.0.1 only.
+#
+# Ports are remembered: `start` saves the ports it uses to STACK_DIR/ports.env before starting
+# anything, and `status`, `env` and `stop` read them from there, so a shell without PG_PORT & co.
+# still reaches this stack and not somebody else's on the default ports. While any part runs,
+# `start` with other ports is refused (exit 2) and other commands warn about PG_PORT & co. that
+# disagree; a stopped stack starts again on the saved ports unless PG_PORT & co. say otherwise.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK_DIR="${STACK_DIR:-$ROOT/.crucible/stack}"
-PG_PORT="${PG_PORT:-55432}"
-PREFECT_PORT="${PREFECT_PORT:-4200}"
-API_PORT="${API_PORT:-8000}"
+PORTS_FILE="$STACK_DIR/ports.env"
+PORT_VARS="PG_PORT PREFECT_PORT API_PORT"
+declare -A DEFAULT_PORT=([PG_PORT]=55432 [PREFECT_PORT]=4200 [API_PORT]=8000)
+declare -A ASKED_PORT=([PG_PORT]="${PG_PORT:-}" [PREFECT_PORT]="${PREFECT_PORT:-}" [API_PORT]="${API_PORT:-}")
 VENV="${VENV:-$ROOT/.venv}"
 BIN="$VENV/bin"
 PGDATA="$STACK_DIR/pg"
@@ -37,6 +44,67 @@ as_pg() {  # initdb and postgres refuse to run as root: use the postgres OS user
 }
 
 running() { [ -f "$STACK_DIR/$1.pid" ] && kill -0 "$(cat "$STACK_DIR/$1.pid")" 2>/dev/null; }
+
+postgres_running() {
+  [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1
+}
+
+stack_running() {  # any part of this STACK_DIR's stack up
+  local name
+  for name in prefect-server crucible-api serve; do running "$name" && return 0; done
+  postgres_running
+}
+
+check_port() {  # check_port VAR VALUE: a TCP port number, else exit 2 naming VAR
+  case "$2" in
+    ''|*[!0-9]*) echo "error: $1='$2' is not a port number; use 1-65535 (e.g. $1=${DEFAULT_PORT[$1]})" >&2; exit 2 ;;
+  esac
+  if [ "$2" -lt 1 ] || [ "$2" -gt 65535 ]; then
+    echo "error: $1=$2 is not a port number; use 1-65535 (e.g. $1=${DEFAULT_PORT[$1]})" >&2; exit 2
+  fi
+}
+
+declare -A SAVED_PORT=()
+load_ports() {  # SAVED_PORT[VAR] from STACK_DIR/ports.env (VAR=NUMBER lines), if it exists
+  local key value
+  [ -f "$PORTS_FILE" ] || return 0
+  while IFS='=' read -r key value; do
+    case " $PORT_VARS " in *" $key "*) check_port "$key" "$value"; SAVED_PORT[$key]="$value" ;; esac
+  done <"$PORTS_FILE"
+}
+
+save_ports() {  # write PG_PORT & co. to STACK_DIR/ports.env atomically (temp file + rename)
+  local var tmp
+  mkdir -p "$STACK_DIR"
+  tmp="$(mktemp "$STACK_DIR/.ports.env.XXXXXX")"
+  for var in $PORT_VARS; do echo "$var=${!var}"; done >"$tmp"
+  mv -f "$tmp" "$PORTS_FILE"
+}
+
+choose_ports() {  # choose_ports start|use: set PG_PORT & co. for this command
+  local var asked saved conflicts="" live=no
+  load_ports
+  stack_running && live=yes
+  for var in $PORT_VARS; do
+    asked="${ASKED_PORT[$var]}"; saved="${SAVED_PORT[$var]:-}"
+    [ -z "$asked" ] || check_port "$var" "$asked"
+    if [ "$live" = yes ] && [ -n "$saved" ]; then
+      # the running stack's port wins: it is where its servers listen
+      [ -z "$asked" ] || [ "$asked" = "$saved" ] || conflicts+=" $var=$asked (running: $var=$saved)"
+      printf -v "$var" '%s' "$saved"
+    else
+      printf -v "$var" '%s' "${asked:-${saved:-${DEFAULT_PORT[$var]}}}"
+    fi
+  done
+  [ -z "$conflicts" ] && return 0
+  if [ "$1" = start ]; then
+    echo "error: the stack in $STACK_DIR is running on other ports:$conflicts; stop it first" \
+         "(infra/stack.sh stop), or unset these variables to keep its ports" >&2
+    exit 2
+  fi
+  echo "warning: ignoring$conflicts: the stack in $STACK_DIR was started on the saved ports" \
+       "($PORTS_FILE); unset the variables, or stop it and start again on new ports" >&2
+}
 
 wait_http() {  # wait_http URL NAME: until URL answers 200, or fail after 120 s
   local url="$1" name="$2" i
@@ -99,6 +167,9 @@ start_bg() {  # start_bg NAME CMD...: run in the background, remember the pid, l
 }
 
 start() {
+  choose_ports start
+  save_ports                                     # first: status/env/stop find this stack
+  [ -x "$BIN/python" ] || { echo "error: VENV='$VENV' has no bin/python; run 'make install' or set VENV" >&2; exit 2; }
   mkdir -p "$STACK_DIR" "$LOGS" "$STACK_DIR/work"
   start_postgres
   PREFECT_HOME="$STACK_DIR/prefect-home" \
@@ -131,7 +202,7 @@ stop() {
     fi
     rm -f "$STACK_DIR/$name.pid"
   done
-  if [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1; then
+  if postgres_running; then
     as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" -m fast -w stop >/dev/null && echo "stopped postgres"
   fi
 }
@@ -142,14 +213,15 @@ status() {
     if running "$name"; then echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"
     else echo "$name: stopped"; fi
   done
-  if [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1
-  then echo "postgres: running (port $PG_PORT)"; else echo "postgres: stopped"; fi
+  if postgres_running; then echo "postgres: running (port $PG_PORT)"; else echo "postgres: stopped"; fi
+  echo "ports: PG_PORT=$PG_PORT PREFECT_PORT=$PREFECT_PORT API_PORT=$API_PORT" \
+       "($([ -f "$PORTS_FILE" ] && echo "saved in $PORTS_FILE" || echo "defaults: never started"))"
 }
 
 case "${1:-}" in
   start) start ;;
-  stop) stop ;;
-  status) status ;;
-  env) mkdir -p "$STACK_DIR"; env_exports ;;
+  stop) choose_ports use; stop ;;
+  status) choose_ports use; status ;;
+  env) choose_ports use; mkdir -p "$STACK_DIR"; env_exports ;;
   *) echo "usage: infra/stack.sh start|status|stop|env" >&2; exit 2 ;;
 esac

@@ -226,7 +226,7 @@ def test_registering_an_attempt_sets_aside_the_final_state_an_earlier_one_left(
     assert register_run.fn(get_preset("smoke"), None, run_id, settings) == run_id
     replay_spools(client, settings.spool_root)     # another flow's replay, before training
     run = client.get_run(run_id)
-    assert (run["status"], run["status_reason"]) == ("running", None)
+    assert (run["status"], run["status_reason"]) == ("queued", None)   # waits for its GPU slot
     assert [m["value"] for m in client.list_metrics(run_id)] == [2.5]
 
 

@@ -149,7 +149,8 @@ def test_checkpoints_of_an_older_version_say_so_and_how_to_go_on(tmp_path: Path)
     assert "written by an older version of crucible" in lines[0]
     assert "start the run again without --resume" in lines[0]
     assert "SHA-256 mismatch" not in lines[0] and "different configuration" not in lines[0]
-    fresh = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+    fresh = subprocess.run([*CLI, *args, "--overwrite"], capture_output=True, text=True,
+                           timeout=600)
     assert fresh.returncode == 0, fresh.stderr
 
 

@@ -1,5 +1,6 @@
 """The command line contract: `crucible run` and `crucible presets`, as a user calls them."""
 import json
+import re
 import subprocess
 import sys
 
@@ -196,3 +197,96 @@ def test_study_refuses_cells_this_machine_cannot_run_before_starting(tmp_path):
     line = _one_error_line(done)
     assert "not enough memory" in line and "replicas" in line
     assert not (tmp_path / "runs").exists()
+
+
+_SHORT = ("--preset", "smoke", "--set", "train.global_steps=3", "--no-progress")
+
+
+def _records(out) -> dict[str, int]:
+    return {name: len((out / name).read_text().splitlines())
+            for name in ("metrics.jsonl", "events.jsonl")}
+
+
+def _faulty_run(out):
+    """A finished run with many fault events: what a rerun must never keep."""
+    done = _crucible("run", *_SHORT, "--set", "faults.p=0.5", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert _records(out)["events.jsonl"] > 0
+
+
+def test_rerun_into_a_finished_run_folder_exits_2_and_leaves_it_untouched(tmp_path):
+    out = tmp_path / "out"
+    _faulty_run(out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    done = _crucible("run", *_SHORT, "--out", str(out))
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    for needle in (f"--out='{out}' already holds a run", "--resume", "--overwrite",
+                   "another --out"):
+        assert needle in line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_leaves_only_the_new_runs_records_and_unrelated_files(tmp_path):
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    _faulty_run(out)
+    old_key = json.loads((out / "run.json").read_text())["run_key"]
+    (out / "notes.txt").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "shard.bin").write_bytes(b"\x01")
+    done = _crucible("run", *_SHORT, "--out", str(out), "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert _crucible("run", *_SHORT, "--out", str(clean)).returncode == 0
+    assert _records(out) == _records(clean)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["faults"]["p"] == json.loads(
+        (clean / "summary.json").read_text())["config"]["faults"]["p"]
+    assert [p.name for p in (out / "store").iterdir()] == [summary["run_key"]] != [old_key]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "data" / "shard.bin").read_bytes() == b"\x01"
+
+
+def test_default_out_is_a_new_folder_per_run(tmp_path):
+    printed = ""
+    for _ in range(2):
+        done = _crucible("run", *_SHORT, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        printed += done.stdout
+    refused = _crucible("run", *_SHORT, "--set", "faults.p=2", cwd=tmp_path)
+    assert refused.returncode == 2
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2   # the refused run left no folder
+    for folder in folders:
+        assert re.fullmatch(r"\d{8}-\d{6}Z-smoke(-\d+)?", folder.name)
+        assert f"summary: {folder.relative_to(tmp_path) / 'summary.json'}" in printed
+    assert _records(folders[0]) == _records(folders[1])
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_resume_with_another_configuration_exits_2(tmp_path, checkpoint):
+    out = tmp_path / "out"
+    _faulty_run(out)
+    if not checkpoint:   # a run of an older crucible: no config in run.json, no checkpoint
+        import shutil
+
+        shutil.rmtree(out / "store")
+        ident = json.loads((out / "run.json").read_text())
+        (out / "run.json").write_text(json.dumps({k: ident[k] for k in ("run_key", "store_url")}))
+    before = _records(out)
+    done = _crucible("run", *_SHORT, "--set", "faults.p=0.1", "--out", str(out), "--resume")
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    assert f"--out='{out}' holds a run with a different configuration" in line
+    assert "--overwrite" in line
+    assert _records(out) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--resume", "--overwrite", "--out", "{tmp}"], "--resume and --overwrite exclude each other"),
+    (["--resume"], "--resume needs --out"),
+])
+def test_resume_needs_a_folder_and_no_overwrite(tmp_path, args, needle):
+    done = _crucible("run", *_SHORT, *[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    assert done.returncode == 2
+    assert needle in _one_error_line(done)
+    assert list(tmp_path.iterdir()) == []

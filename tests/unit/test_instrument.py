@@ -552,7 +552,8 @@ def test_resume_with_an_incompatible_checkpoint_exits_2_without_a_traceback(tmp_
     again = _cli("run", "--preset", "smoke", "--no-progress", "--out", "r", "--resume", *sets,
                  "--set", "train.lr=0.001", cwd=tmp_path)
     assert again.returncode == 2, again.stderr
-    assert "different configuration" in again.stderr and "older crucible" in again.stderr
+    # the CLI refuses it from run.json's config before train() reads the checkpoint
+    assert "different configuration" in again.stderr and "--overwrite" in again.stderr
     assert "Traceback" not in again.stderr
 
 
