@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import and_, or_, select, text, update
+from sqlalchemy import and_, func, or_, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.orm import Session
@@ -127,14 +127,76 @@ def get_sweep(session: Session, *, sweep_id: uuid.UUID) -> Sweep:
     return sweep
 
 
-def list_sweeps(session: Session, *, status: str | None = None, limit: int = 100,
-                cursor: str | None = None) -> tuple[list[Sweep], str | None]:
-    """Sweeps oldest first, at most `limit`, and the cursor of the next page (or None)."""
+def list_sweeps(session: Session, *, status: str | None = None, name: str | None = None,
+                limit: int = 100, cursor: str | None = None) -> tuple[list[Sweep], str | None]:
+    """Sweeps oldest first, at most `limit`, and the cursor of the next page (or None).
+    `name` keeps sweeps whose name contains it, case-insensitively (% and _ are literal)."""
     query = select(Sweep)
     if status is not None:
         query = query.where(Sweep.status == status)
+    if name:
+        query = query.where(_contains(Sweep.name, name))
     return _keyset_page(session, query, columns=(Sweep.created_at, Sweep.id),
                         kinds=(datetime, uuid.UUID), limit=limit, cursor=cursor)
+
+
+def _contains(column: Any, needle: str) -> Any:
+    """`column` contains `needle`, case-insensitively, with % and _ taken literally."""
+    escaped = needle.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return column.ilike(f"%{escaped}%", escape="\\")
+
+
+def _arm_filters(arm: Mapping[str, Any]) -> list[Any]:
+    """WHERE clauses for the run attributes in `arm` (compression, strategy, p, preset)."""
+    columns = {"compression": Run.compression, "strategy": Run.strategy, "p": Run.p,
+               "preset": Run.preset}
+    return [columns[key] == value for key, value in arm.items() if value is not None]
+
+
+def recent_sweeps(session: Session, *, name: str | None = None, status: str | None = None,
+                  arm: Mapping[str, Any] | None = None, limit: int = 200) -> list[Sweep]:
+    """Newest sweeps first: name containing `name`, of `status`, and having at least one run
+    matching `arm` (compression, strategy, p, preset; None values are ignored)."""
+    query = select(Sweep)
+    if name:
+        query = query.where(_contains(Sweep.name, name))
+    if status is not None:
+        query = query.where(Sweep.status == status)
+    clauses = _arm_filters(arm or {})
+    if clauses:
+        query = query.where(select(Run.id).where(Run.sweep_id == Sweep.id, *clauses).exists())
+    return list(session.scalars(query.order_by(Sweep.created_at.desc(), Sweep.id).limit(limit)))
+
+
+def sweep_run_counts(session: Session, *, sweep_ids: Sequence[uuid.UUID]
+                     ) -> dict[uuid.UUID, dict[str, Any]]:
+    """sweep id -> {"statuses": {status: runs}, "arms": sorted compressions} for `sweep_ids`."""
+    counts: dict[uuid.UUID, dict[str, Any]] = {
+        sweep_id: {"statuses": {}, "arms": set()} for sweep_id in sweep_ids}
+    if not sweep_ids:
+        return counts
+    rows = session.execute(
+        select(Run.sweep_id, Run.compression, Run.status, func.count())
+        .where(Run.sweep_id.in_(list(sweep_ids)))
+        .group_by(Run.sweep_id, Run.compression, Run.status))
+    for sweep_id, compression, status, n in rows:
+        entry = counts[sweep_id]
+        entry["statuses"][status] = entry["statuses"].get(status, 0) + n
+        entry["arms"].add(compression)
+    return {k: {**v, "arms": sorted(v["arms"])} for k, v in counts.items()}
+
+
+def recent_runs(session: Session, *, name: str | None = None, status: str | None = None,
+                arm: Mapping[str, Any] | None = None, limit: int = 50) -> list[Run]:
+    """Newest runs first: whose own or sweep's name contains `name`, of `status`, matching
+    `arm` (compression, strategy, p, preset; None values are ignored)."""
+    query = select(Run).outerjoin(Sweep, Run.sweep_id == Sweep.id)
+    if name:
+        query = query.where(or_(_contains(Run.name, name), _contains(Sweep.name, name)))
+    if status is not None:
+        query = query.where(Run.status == status)
+    query = query.where(*_arm_filters(arm or {}))
+    return list(session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit)))
 
 
 def update_sweep(session: Session, *, sweep_id: uuid.UUID, changes: dict[str, Any]) -> Sweep:

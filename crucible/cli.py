@@ -38,9 +38,25 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code=code)
 
 
+def _si(n: float) -> str:
+    """A count in K/M/B, e.g. 3.55B tokens."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
 @app.command()
-def presets(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """List the named configurations with their sizes and expected time on this CPU."""
+def presets(as_json: bool = typer.Option(
+        False, "--json", help="machine-readable output: a list of objects with each preset's "
+                              "name, description and sizes")) -> None:
+    """List the named configurations with their sizes and expected time on this CPU.
+
+    One block per preset, wrapped to the terminal (80 columns when piped): the name and what it
+    is for, then its sizes. Use a name with `crucible run --preset NAME`."""
+    import shutil
+    import textwrap
+
     from crucible.presets import PRESETS, parameter_count, tokens_per_global_step
 
     rows = []
@@ -49,28 +65,37 @@ def presets(as_json: bool = typer.Option(False, "--json", help="machine-readable
         rows.append({"name": name, "description": info.description, "parameters": parameter_count(cfg),
                      "replicas": cfg.replicas, "stages": cfg.pipeline.stages,
                      "layers": cfg.model.layers, "d_model": cfg.model.d_model,
+                     "seq_len": cfg.model.seq_len, "inner_steps": cfg.sparseloco.inner_steps,
                      "global_steps": cfg.train.global_steps,
                      "tokens": tokens_per_global_step(cfg) * cfg.train.global_steps,
                      "expected_cpu": info.expected_cpu})
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="Crucible presets")
-    for column in ("name", "parameters", "R x S", "layers", "d_model", "global steps", "tokens",
-                   "expected on CPU", "description"):
-        table.add_column(column)
+    # plain wrapped text rather than a table: a table squeezed into 80 columns cuts names
+    width = min(shutil.get_terminal_size((80, 24)).columns, 100)
+    blocks = []
     for r in rows:
-        table.add_row(r["name"], f"{r['parameters'] / 1e6:.2f}M", f"{r['replicas']} x {r['stages']}",
-                      str(r["layers"]), str(r["d_model"]), str(r["global_steps"]),
-                      f"{r['tokens'] / 1e6:.1f}M", r["expected_cpu"], r["description"])
-    Console().print(table)
+        sizes = (f"{_si(r['parameters'])} parameters, {r['replicas']} replicas x {r['stages']} "
+                 f"stages, {r['layers']} layers, d_model {r['d_model']}, seq_len {r['seq_len']}, "
+                 f"H={r['inner_steps']}, {r['global_steps']} global steps, {_si(r['tokens'])} "
+                 f"tokens; expected on a CPU: {r['expected_cpu']}")
+        blocks.append("\n".join([
+            *textwrap.wrap(f"{r['name']}: {r['description']}", width, break_long_words=False,
+                           break_on_hyphens=False),
+            *textwrap.wrap(sizes, width, initial_indent="    ", subsequent_indent="    ",
+                           break_long_words=False, break_on_hyphens=False)]))
+    typer.echo("\n\n".join(blocks))
+
+
+def _preset_help() -> str:
+    from crucible.presets import PRESETS
+
+    return f"named configuration, one of: {', '.join(PRESETS)} (`crucible presets` describes them)"
 
 
 @app.command()
-def run(preset: str = typer.Option("smoke", "--preset", help="named configuration"),
+def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
         overrides: list[str] = typer.Option([], "--set", help="key.path=value (repeatable)"),
         out: Path | None = typer.Option(
             None, "--out", help="output folder (default: a new runs/<UTC time>-<preset>); a "
@@ -81,13 +106,16 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         overwrite: bool = typer.Option(False, "--overwrite",
                                        help="replace the run in --out: delete its records, model "
                                             "and local store first (nothing else in the folder)"),
-        progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+        progress: bool = typer.Option(True, "--progress/--no-progress",
+                                      help="show a progress bar on a terminal (train loss, "
+                                           "tokens/s, stages down)"),
         skip_memory_check: bool = typer.Option(
             False, "--skip-memory-check",
             help="start even when the estimated peak memory exceeds what this machine has "
                  "left (docs/OPERATIONS.md, Memory estimate)"),
         ) -> None:
-    """Train one run locally (no server needed) and write OUT/summary.json.
+    """Train one run locally (no server needed), write OUT/summary.json and print its headline
+    numbers (final val loss +- s.e., tokens, failures, bytes uploaded, wall time).
 
     Before anything is written, the run is checked against this machine: the device exists,
     OUT (and a file:// store) can be written, and the estimated peak memory fits. OUT never
@@ -133,14 +161,36 @@ def run(preset: str = typer.Option("smoke", "--preset", help="named configuratio
         if summary is None and new_dir and out is not None and out.is_dir() \
                 and not any(out.iterdir()):
             out.rmdir()   # a run refused before it wrote anything leaves no empty folder
-    initial = summary["initial_val_loss"]
-    start = "" if initial is None else f"initial val loss {initial:.4f} -> "
-    stderr = summary["val_loss_stderr"]
-    spread = "" if stderr is None else f" (+- {stderr:.4f} s.e.)"
-    typer.echo(f"{start}final val loss {summary['final_val_loss']:.4f}{spread} "
-               f"in {summary['wall_s']:.1f} s; "
-               f"{summary['tokens_processed']} tokens")
+    _print_summary(summary)
     typer.echo(f"summary: {out / 'summary.json'}")
+
+
+def _summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The run's headline numbers from its summary.json, as (what, value) rows."""
+    def loss(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    stderr = summary["val_loss_stderr"]
+    final = loss(summary["final_val_loss"]) + ("" if stderr is None else f" +- {stderr:.4f} s.e.")
+    initial = summary["initial_val_loss"]   # None: train.eval_initial=false, no row
+    return [*([] if initial is None else [("initial val loss", loss(initial))]),
+            ("final val loss", final),
+            ("tokens processed", f"{summary['tokens_processed']:,}"),
+            ("failures", str(len(summary["faults"]))),
+            ("bytes uploaded", f"{summary['bytes']['upload']:,}"),
+            ("wall time", f"{summary['wall_s']:.1f} s")]
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="run summary", show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", no_wrap=True, justify="right")
+    for row in _summary_rows(summary):
+        table.add_row(*row)
+    Console().print(table)
 
 
 # what `train()` writes into its folder; any of the first four means the folder holds a run

@@ -344,8 +344,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in hints:
-            raise ConfigError(f"unknown key {prefix}{key!r}; allowed keys: "
-                              f"{', '.join(prefix + k for k in hints)}")
+            raise ConfigError(f"unknown key {prefix + str(key)!r}; "
+                              f"{_did_you_mean(prefix + str(key), [prefix + k for k in hints])}"
+                              f"allowed keys: {', '.join(prefix + k for k in hints)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, prefix=f"{prefix}{key}.")
@@ -363,6 +364,15 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
         else:
             keys.append(prefix + name)
     return keys
+
+
+def _did_you_mean(key: str, allowed: list[str]) -> str:
+    """'did you mean X? ' for the allowed dotted key nearest to `key` (a misspelled section,
+    leaf or both), or '' when none is close."""
+    import difflib
+
+    nearest = difflib.get_close_matches(key, allowed, n=1)
+    return f"did you mean {nearest[0]}? " if nearest else ""
 
 
 def apply_overrides(config: Config, overrides: list[str] | dict[str, Any]) -> Config:
@@ -384,7 +394,8 @@ def apply_overrides(config: Config, overrides: list[str] | dict[str, Any]) -> Co
     allowed = all_keys()
     for key, value in pairs:
         if key not in allowed:
-            raise ConfigError(f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+            raise ConfigError(f"unknown key {key!r}; {_did_you_mean(key, allowed)}"
+                              f"allowed keys: {', '.join(allowed)}")
         node = data
         parts = key.split(".")
         for part in parts[:-1]:

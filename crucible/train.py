@@ -34,6 +34,7 @@ from crucible.ids import validate_id
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
 from crucible.pipeline import ReplicatedPipeline
 from crucible.presets import tokens_per_global_step
+from crucible.progress import RunProgress
 from crucible.store import Store, open_store
 from crucible.strategy import StepPlan, plan_step
 from crucible.summary import RunCounters, write_json_atomic
@@ -442,7 +443,9 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     run_key, store_url = _run_identity(out, config, resume, run_key)
     store = open_store(store_url, endpoint_url=config.store.endpoint_url, region=config.store.region)
     sinks = JsonlCallback(out)
-    sink: Callback = MultiCallback(sinks, callback) if callback is not None else sinks
+    bar = RunProgress(enabled=progress)   # nothing attached when the bar is off
+    extra = [c for c in (callback, bar.callback) if c is not None]
+    sink: Callback = MultiCallback(sinks, *extra) if extra else sinks
     files, size = store.remove_temporaries(f"{run_key}/")
     if files:  # left by a run killed mid-write; no writer of this run is alive now
         log.info("removed %d temporary files (%d bytes) of interrupted writes under %s",
@@ -456,12 +459,10 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
             # what a killed reporter held in memory is in the run's files: send it again
             log.info("re-sent %d records of the interrupted run", sinks.resend(callback))
     try:
-        with _progress(progress) as bar:
-            task = bar.add_task("training", total=config.train.global_steps,
-                                completed=trainer.next_step)
+        with bar.show(trainer, total=config.train.global_steps) as show_step:
 
             def step_done(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
+                show_step(done, total)
                 if on_step is not None:
                     on_step(done, total)
 
@@ -478,27 +479,3 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     write_json_atomic(out / "summary.json", summary)
     sink.close()
     return summary
-
-
-def _progress(enabled: bool):
-    from contextlib import nullcontext
-
-    if not enabled:
-        return nullcontext(_NoBar())
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("global steps"), TimeRemainingColumn())
-
-
-class _NoBar:
-    def add_task(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        return None

@@ -23,7 +23,7 @@ from dashboards import figures
 from dashboards.style import arm_label
 
 __all__ = ["PLOTLY_JS_PATH", "PLOTLY_JS_URL", "served_plotly_tag", "inline_plotly_tag",
-           "sweep_page", "run_page", "not_found_page", "RunHref"]
+           "sweep_page", "run_page", "index_page", "not_found_page", "RunHref"]
 
 PLOTLY_JS_PATH = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 PLOTLY_JS_URL = "/dashboards/static/plotly.min.js"
@@ -68,6 +68,10 @@ nav { font-size: 14px; margin-bottom: 4px; }
         padding: 10px 14px; font-size: 13px; }
 .config-grid div { padding: 2px 0; border-bottom: 1px solid #eef2f6; }
 footer { color: var(--muted); font-size: 12px; margin-top: 32px; }
+form.filters { display: flex; flex-wrap: wrap; gap: 8px 12px; align-items: end; font-size: 14px;
+        background: white; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
+form.filters label { display: flex; flex-direction: column; gap: 2px; color: var(--muted); }
+form.filters input, form.filters select { font: inherit; padding: 4px 6px; }
 """
 
 
@@ -344,6 +348,92 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
               _figure_html(timeline, "fig-faults"),
               "<h2>Resolved config</h2>", _config_table(config)]
     return _document(f"Crucible run {run.get('id')}", "".join(parts), plotly_tag)
+
+
+# --- index -------------------------------------------------------------------------------------
+
+_FILTER_LABELS = {"q": "name contains", "status": "status", "compression": "arm",
+                  "strategy": "strategy", "p": "p", "preset": "preset"}
+
+
+def _filter_form(filters: Mapping[str, Any], choices: Mapping[str, Sequence[str] | None],
+                 action: str) -> str:
+    """A plain GET form: every filter is a query parameter, so a filtered index is a link."""
+    fields = []
+    for key, label in _FILTER_LABELS.items():
+        value = filters.get(key)
+        options = choices.get(key)
+        if options is None:
+            shown = "" if value is None else _esc(f"{value:g}" if key == "p" else value)
+            control = f'<input name="{key}" value="{shown}">'
+        else:
+            opts = "".join(f'<option value="{_esc(o)}"{" selected" if o == value else ""}>'
+                           f'{_esc(arm_label(o) if key == "compression" else o)}</option>'
+                           for o in options)
+            control = f'<select name="{key}"><option value="">any</option>{opts}</select>'
+        fields.append(f"<label>{label}{control}</label>")
+    return (f'<form class="filters" method="get" action="{_esc(action)}" role="search">'
+            f'{"".join(fields)}<button type="submit">Filter</button>'
+            f'<a href="{_esc(action)}">clear</a></form>')
+
+
+def _sweeps_table(sweeps: Sequence[Mapping[str, Any]], sweep_href: Callable[[str], str]) -> str:
+    head = ("<tr><th>name</th><th>status</th><th>progress</th><th>arms</th><th>created</th>"
+            "</tr>")
+    rows = []
+    for sweep in sweeps:
+        status = _esc(sweep.get("status"))
+        arms = ", ".join(arm_label(a) for a in sweep.get("arms") or []) or "—"
+        rows.append(
+            f'<tr><td><a href="{_esc(sweep_href(str(sweep["id"])))}">'
+            f'{_esc(sweep.get("name"))}</a></td><td class="status-{status}">{status}</td>'
+            f"<td class=num>{sweep.get('runs_completed', 0)}/{sweep.get('runs_total', 0)} "
+            f"completed</td><td>{_esc(arms)}</td>"
+            f"<td>{_esc(str(sweep.get('created_at', ''))[:19].replace('T', ' '))}</td></tr>")
+    return f'<table class="data" id="sweeps">{head}{"".join(rows)}</table>'
+
+
+def _recent_runs_table(runs: Sequence[Mapping[str, Any]], run_href: RunHref) -> str:
+    head = ("<tr><th>run</th><th>arm</th><th>strategy</th><th>p</th><th>seed</th>"
+            "<th>preset</th><th>status</th><th>final val loss</th><th>created</th></tr>")
+    rows = []
+    for run in runs:
+        run_id = str(run.get("id"))
+        status = _esc(run.get("status"))
+        rows.append(
+            f'<tr><td><a href="{_esc(run_href(run_id))}">{_esc(run.get("name") or run_id[:8])}'
+            f"</a></td><td>{_esc(arm_label(str(run.get('compression'))))}</td>"
+            f"<td>{_esc(_strategy_text(run))}</td><td class=num>{_pct(run.get('p'))}</td>"
+            f"<td class=num>{_esc(run.get('seed'))}</td><td>{_esc(run.get('preset'))}</td>"
+            f'<td class="status-{status}">{_status_text(run)}</td>'
+            f"<td class=num>{_num(run.get('final_val_loss'), '.4f')}</td>"
+            f"<td>{_esc(str(run.get('created_at', ''))[:19].replace('T', ' '))}</td></tr>")
+    return f'<table class="data" id="recent-runs">{head}{"".join(rows)}</table>'
+
+
+def index_page(view: Mapping[str, Any], *, choices: Mapping[str, Sequence[str] | None],
+               action: str, sweep_href: Callable[[str], str], run_href: RunHref) -> str:
+    """The way in: a filter form, the sweeps (name, status, progress, arms, created) and the
+    recent runs, each linking to its page.
+
+    `view` = {"filters", "errors", "sweeps", "runs"} (`dashboards.queries.index_view`);
+    `choices` maps each filter to its allowed values (None: free text); `action` is the form's
+    target (this page).
+    """
+    sweeps, runs = list(view.get("sweeps") or []), list(view.get("runs") or [])
+    parts = ["<h1>Crucible</h1>",
+             '<p class="meta">Sweeps and runs in this registry, newest first. The API is at '
+             '<a href="/docs"><code>/docs</code></a>.</p>',
+             _filter_form(view.get("filters") or {}, choices, action)]
+    parts += [_banner("error", f"Filter ignored: {_esc(message)}")
+              for message in view.get("errors") or []]
+    parts += [f"<h2>Sweeps ({len(sweeps)})</h2>",
+              _sweeps_table(sweeps, sweep_href) if sweeps
+              else _banner("info", "No sweeps match."),
+              f"<h2>Recent runs ({len(runs)})</h2>",
+              _recent_runs_table(runs, run_href) if runs
+              else _banner("info", "No runs match.")]
+    return _document("Crucible", "".join(parts), "")
 
 
 def not_found_page(kind: str, ident: str) -> str:

@@ -1,4 +1,5 @@
-"""Dashboard routes: the sweep overview, a run page, and the local copy of plotly.js.
+"""Dashboard routes: the index (at / and /dashboards), the sweep overview, a run page, and the
+local copy of plotly.js.
 
 Mounted by the registry app (`api.app` includes `router`). Pages read through
 `dashboards.queries` (the registry's data-access functions) and render with `dashboards.pages`.
@@ -20,7 +21,9 @@ from api.deps import PageAuthDep, ReadAuthDep, SessionDep
 from api.errors import NotFoundError, error_responses
 from dashboards import pages, queries
 
-__all__ = ["router", "SWEEP_PATH", "RUN_PATH"]
+__all__ = ["router", "INDEX_PATHS", "SWEEP_PATH", "RUN_PATH"]
+
+INDEX_PATHS = ("/", "/dashboards")
 
 SWEEP_PATH = "/dashboards/sweeps/{sweep_id}"
 RUN_PATH = "/dashboards/runs/{run_id}"
@@ -45,6 +48,25 @@ def _page(kind: str, ident: str, load: Callable[[uuid.UUID], dict[str, Any]],
 
 def _href(request: Request, route: str, param: str) -> Callable[[str], str]:
     return lambda ident: str(request.url_for(route, **{param: ident}).path)
+
+
+def index(session: SessionDep, request: Request) -> HTMLResponse:
+    """Sweeps (name, status, progress, arms, created) and recent runs, filtered by the query
+    parameters q (name contains), status, compression, strategy, p and preset; a bad filter is
+    named in a banner and ignored."""
+    view = queries.index_view(session, raw_filters=dict(request.query_params))
+    return HTMLResponse(pages.index_page(
+        view, choices=queries.INDEX_FILTERS, action=request.url.path,
+        sweep_href=_href(request, "sweep_dashboard", "sweep_id"),
+        run_href=_href(request, "run_dashboard", "run_id")))
+
+
+for _path in INDEX_PATHS:
+    router.add_api_route(_path, index, methods=["GET"], response_class=HTMLResponse,
+                         name=f"index{_path.replace('/', '_')}",
+                         summary="Index of sweeps and recent runs, with search and filters "
+                                 "(HTML)", dependencies=[PageAuthDep],
+                         responses={k: v for k, v in _PAGE_RESPONSES.items() if k != 404})
 
 
 @router.get(SWEEP_PATH, response_class=HTMLResponse, name="sweep_dashboard",

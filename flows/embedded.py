@@ -99,8 +99,21 @@ def embedded_prefect(work_dir: Path) -> Iterator[None]:
         # the telemetry heartbeat only contends for the SQLite lock (and logs when it loses)
         ps.PREFECT_SERVER_ANALYTICS_ENABLED: False,
     }
-    with ps.temporary_settings(updates=updates):
-        yield
+    prefect_log = logging.getLogger("prefect")
+    prefect_log.addFilter(_server_notice_first_line)
+    try:
+        with ps.temporary_settings(updates=updates):
+            yield
+    finally:
+        prefect_log.removeFilter(_server_notice_first_line)
+
+
+def _server_notice_first_line(record: logging.LogRecord) -> bool:
+    """Keep "Starting temporary server on URL" but drop the advertisement under it (a link to
+    running a dedicated server): the embedded sweep means to be temporary."""
+    if isinstance(record.msg, str) and record.msg.startswith("Starting temporary server"):
+        record.msg = record.msg.split("\n", 1)[0]
+    return True
 
 
 @contextmanager

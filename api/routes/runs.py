@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
+from api.routes import KnownQueryDep
 from api.schemas import (
     EVENT_KIND_HELP,
     BatchResult,
@@ -28,7 +29,7 @@ from api.schemas import (
     Strategy,
 )
 
-router = APIRouter(prefix="/runs", tags=["runs"])
+router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[KnownQueryDep])
 
 _CURSOR_HELP = "next_cursor of the previous page; omit for the first page"
 RunCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
+from api.routes import KnownQueryDep
 from api.schemas import (
     Page,
     RobustnessPublic,
@@ -20,12 +21,15 @@ from api.schemas import (
     TablePublic,
 )
 
-router = APIRouter(prefix="/sweeps", tags=["sweeps"])
+router = APIRouter(prefix="/sweeps", tags=["sweeps"], dependencies=[KnownQueryDep])
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Cursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),
                                      description="next_cursor of the previous page; omit for "
                                                  "the first page")]
+NameQuery = Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$",
+                                        description="Only sweeps whose name contains this text "
+                                                    "(case-insensitive substring match)")]
 
 
 @router.post("", status_code=201, response_model=SweepPublic, dependencies=[WriteAuthDep],
@@ -38,10 +42,11 @@ def create_sweep(body: SweepCreate, session: SessionDep) -> SweepPublic:
 
 @router.get("", response_model=Page[SweepPublic], dependencies=[ReadAuthDep],
             responses=read_responses())
-def list_sweeps(session: SessionDep, status: SweepStatus | None = None, limit: Limit = 100,
-                cursor: Cursor = None) -> Page[SweepPublic]:
-    """Sweeps, oldest first, keyset-paginated."""
-    rows, next_cursor = crud.list_sweeps(session, status=status, limit=limit, cursor=cursor)
+def list_sweeps(session: SessionDep, status: SweepStatus | None = None, name: NameQuery = None,
+                limit: Limit = 100, cursor: Cursor = None) -> Page[SweepPublic]:
+    """Sweeps, oldest first, keyset-paginated; `name` keeps those whose name contains it."""
+    rows, next_cursor = crud.list_sweeps(session, status=status, name=name, limit=limit,
+                                         cursor=cursor)
     return Page[SweepPublic](items=[SweepPublic.model_validate(r) for r in rows],
                              next_cursor=next_cursor)
 

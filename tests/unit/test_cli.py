@@ -33,6 +33,7 @@ def test_smoke_run_learns_with_every_codec(tmp_path, compression):
 
 @pytest.mark.parametrize("override, needle", [
     ("model.widht=3", "unknown key 'model.widht'"),
+    ("fault.p=0.1", "unknown key 'fault.p'; did you mean faults.p?"),
     ("faults.strategy=jump", "allowed values: 'skip' | 'drop' | 'drop_extend' | 'reroute'"),
     ("pipeline.stages=3", "pipeline.stages=3 must divide model.layers=4"),
     ("faults.p=1.5", "faults.p must be a probability in [0, 1]"),
@@ -49,6 +50,90 @@ def test_presets_lists_every_preset():
     assert done.returncode == 0, done.stderr
     names = [row["name"] for row in json.loads(done.stdout)]
     assert names == ["smoke", "small", "study", "paper-178m"]
+
+
+def _invoke_80_columns(*args):
+    """The CLI in-process, as piped (CliRunner's output is no tty) into an 80-column terminal."""
+    from typer.testing import CliRunner
+
+    from crucible.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "80"}, terminal_width=80)
+
+
+def test_presets_fit_80_columns_and_never_cut_a_name_or_description():
+    from crucible.presets import PRESETS
+
+    done = _invoke_80_columns("presets")
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "\u2026" not in done.output                     # no ellipsis: nothing was cut
+    flat = " ".join(done.output.split())
+    for name, info in PRESETS.items():
+        assert any(line.startswith(f"{name}: ") for line in lines), done.output
+        assert f"{name}: {info.description}" in flat
+
+
+def test_presets_json_has_name_description_and_sizes_of_each():
+    from crucible.presets import PRESETS, parameter_count
+
+    done = _invoke_80_columns("presets", "--json")
+    assert done.exit_code == 0, done.output
+    rows = json.loads(done.output)
+    assert [row["name"] for row in rows] == list(PRESETS)
+    for row in rows:
+        info = PRESETS[row["name"]]
+        assert row["description"] == info.description
+        assert row["parameters"] == parameter_count(info.build())
+        for key in ("replicas", "stages", "layers", "d_model", "global_steps", "tokens"):
+            assert isinstance(row[key], int) and row[key] > 0
+
+
+def test_run_help_lists_every_preset():
+    from crucible.presets import PRESETS
+
+    done = _invoke_80_columns("run", "--help")
+    assert done.exit_code == 0, done.output
+    for name in PRESETS:
+        assert name in done.output
+
+
+def test_run_ends_with_a_summary_table_of_its_summary_json(tmp_path):
+    tiny = ["model.d_model=32", "model.heads=2", "model.seq_len=16", "replicas=2",
+            "train.batch_size=2", "sparseloco.inner_steps=2", "train.global_steps=3",
+            "train.eval_every=3", "train.eval_tokens=256", "faults.p=0.5"]
+    done = _crucible("run", *[a for kv in tiny for a in ("--set", kv)], "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["faults"], "faults.p=0.5 should fail a stage in 3 global steps x 2 replicas"
+    expected = {
+        "final val loss": f"{summary['final_val_loss']:.4f} +- {summary['val_loss_stderr']:.4f}",
+        "tokens processed": f"{summary['tokens_processed']:,}",
+        "failures": str(len(summary["faults"])),
+        "bytes uploaded": f"{summary['bytes']['upload']:,}",
+        "wall time": f"{summary['wall_s']:.1f} s",
+    }
+    for what, value in expected.items():
+        row = [line for line in done.stdout.splitlines() if what in line]
+        assert len(row) == 1 and value in row[0], done.stdout
+
+
+def test_small_embedded_sweep_prints_no_traceback_or_prefect_notice(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # ephemeral
+    done = subprocess.run(
+        [*CLI, "sweep", "--preset", "smoke", "--arm", "none", "--strategy", "skip", "--p", "0.5",
+         "--seed", "0", "--global-steps", "2", "--set", "train.eval_tokens=256",
+         "--set", "model.d_model=32", "--set", "model.heads=2", "--work-dir", "work"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("report: ")
+    assert "Starting temporary server" in done.stderr     # Prefect's own line stays ...
+    for notice in ("Traceback", "dedicated Prefect server", "telemetry", "analytics"):
+        assert notice not in output, output[-3000:]         # ... its advertisements do not
 
 
 def _one_error_line(done) -> str:

@@ -32,6 +32,26 @@ def test_unknown_key_lists_allowed_keys():
         apply_overrides(get_preset("smoke"), ["model.widht=3"])
 
 
+@pytest.mark.parametrize("key, nearest", [
+    ("fault.p", "faults.p"),                    # misspelled section
+    ("faults.strat", "faults.strategy"),        # misspelled leaf
+    ("pipline.stages", "pipeline.stages"),
+    ("train.globalsteps", "train.global_steps"),
+    ("replica", "replicas"),                    # a top-level key
+])
+def test_unknown_key_suggests_the_nearest_valid_one(key, nearest):
+    with pytest.raises(ConfigError, match=rf"unknown key '{key}'; did you mean {nearest}\?"):
+        apply_overrides(get_preset("smoke"), [f"{key}=1"])
+
+
+def test_unknown_key_in_a_mapping_suggests_the_nearest_valid_one():
+    from crucible.config import Config
+
+    with pytest.raises(ConfigError, match=r"unknown key 'model.d_modle'; did you mean "
+                                          r"model.d_model\?"):
+        Config.from_dict({"model": {"d_modle": 32}})
+
+
 def test_enum_value_lists_allowed_values():
     with pytest.raises(ConfigError, match=r"faults.strategy='jump'.*'skip' \| 'drop'"):
         apply_overrides(get_preset("smoke"), ["faults.strategy=jump"])
