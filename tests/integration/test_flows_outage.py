@@ -71,8 +71,11 @@ class _Watcher:
         return rows                 # type: ignore[return-value]
 
     def stop(self) -> None:
+        """Stop polling and take one last sample: the flow has returned, and a state it reached
+        in the last moments before (finish-run's update) may have landed between two polls."""
         self._stop.set()
         self._thread.join(timeout=30)
+        self.sample()
         self._engine.dispose()
 
 
