@@ -5,18 +5,25 @@
   its last line; `token list` shows every token without its secret; `token revoke NAME_OR_ID`;
 - `crucible api replay [--spool-root DIR]` delivers what reporters left in their spools (a client
   command: it reads `CRUCIBLE_API_URL` / `CRUCIBLE_API_TOKEN` / `CRUCIBLE_WORK_DIR` like the flows);
+- `crucible api tag {run,sweep} REF [--add T]... [--remove T]...` and
+  `crucible api note {run,sweep} REF [TEXT | --clear]` edit tags and notes through the REST API
+  (client commands: `CRUCIBLE_API_URL`, `CRUCIBLE_API_TOKEN`) and print the result; a sweep's REF
+  may be its exact name;
 - `crucible db upgrade` / `crucible db downgrade [--revision]` run the migrations.
-All of them use the database of `CRUCIBLE_DATABASE_URL` (see api.settings.Settings).
+The token and db commands use the database of `CRUCIBLE_DATABASE_URL` (see api.settings.Settings).
+Exit codes: 0 done, 1 the database or registry is unreachable, 2 a bad argument or token.
 """
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -24,6 +31,8 @@ from api.settings import Settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+    from crucible.registry_client import ApiClient
 
 __all__ = ["register"]
 
@@ -204,6 +213,103 @@ def replay(spool_root: Path | None = typer.Option(
         typer.echo(f"registry unreachable, the rest stays spooled: {report.unreachable}", err=True)
     if not report.complete:
         raise typer.Exit(code=1)
+
+
+class Kind(StrEnum):
+    """What a tag or note command edits."""
+
+    run = "run"
+    sweep = "sweep"
+
+
+_REF_HELP = "a run's id; a sweep's id or exact name (the newest sweep of that name)"
+
+
+@contextmanager
+def _registry() -> Iterator[ApiClient]:
+    """An API client on `CRUCIBLE_API_URL` with `CRUCIBLE_API_TOKEN`; API errors become one line
+    and an exit code (2: refused, 1: unreachable)."""
+    from crucible.registry_client import ApiClient, ApiError, ApiUnavailable
+
+    settings = Settings()
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    try:
+        with ApiClient(settings.api_url, token, retries=1) as client:
+            yield client
+    except ApiUnavailable as exc:
+        typer.echo(f"error: cannot reach the registry at {settings.api_url} "
+                   f"(CRUCIBLE_API_URL): {exc.detail}", err=True)
+        raise typer.Exit(code=1) from None
+    except ApiError as exc:
+        hint = ("; set CRUCIBLE_API_TOKEN to a valid write token (`crucible api token create`)"
+                if exc.status_code == 401 else "")
+        raise _usage(f"{exc.detail}{hint}") from None
+
+
+def _edit(kind: Kind, ref: str, changes: dict[str, Any],
+          show: Callable[[dict[str, Any]], str]) -> None:
+    """PATCH the run or sweep `ref` with `changes` (none: only read it) and print `show(it)`."""
+    with _registry() as client:
+        if kind is Kind.run:
+            try:
+                run_id = str(uuid.UUID(ref))
+            except ValueError:
+                raise _usage(f"REF {ref!r} is not a run id; give the run's UUID (see "
+                             "GET /api/v1/runs or the dashboards)") from None
+            target = (client.update_run(run_id, **changes) if changes
+                      else client.get_run(run_id))
+        else:
+            target = client.get_sweep(ref)
+            if changes:
+                target = client.update_sweep(target["id"], **changes)
+    typer.echo(f"{kind.value} {target['id']}: {show(target)}")
+
+
+def _checked_tags(tags: list[str], option: str) -> list[str]:
+    from crucible.tags import check_tags
+
+    try:
+        return check_tags(tags, field=option)
+    except ValueError as exc:
+        raise _usage(str(exc)) from None
+
+
+def _tags_line(target: dict[str, Any]) -> str:
+    return "tags " + (", ".join(target["tags"]) if target["tags"] else "(none)")
+
+
+@api_app.command("tag")
+def tag(kind: Kind = typer.Argument(..., help="run or sweep"),
+        ref: str = typer.Argument(..., metavar="REF", help=_REF_HELP),
+        add: list[str] = typer.Option([], "--add", help="add this tag (repeatable)"),
+        remove: list[str] = typer.Option([], "--remove", help="remove this tag (repeatable)")
+        ) -> None:
+    """Add or remove tags of a run or sweep (in one atomic edit) and print its tags; without
+    --add or --remove, print them. A tag is 1-64 characters from A-Za-z0-9._:/+=-."""
+    changes: dict[str, Any] = {}
+    if add:
+        changes["add_tags"] = _checked_tags(add, "--add")
+    if remove:
+        changes["remove_tags"] = _checked_tags(remove, "--remove")
+    _edit(kind, ref, changes, _tags_line)
+
+
+@api_app.command("note")
+def note(kind: Kind = typer.Argument(..., help="run or sweep"),
+         ref: str = typer.Argument(..., metavar="REF", help=_REF_HELP),
+         text: str | None = typer.Argument(None, help="the new notes (replace the old ones)"),
+         clear: bool = typer.Option(False, "--clear", help="remove the notes")) -> None:
+    """Set (or --clear) the notes of a run or sweep and print them; with neither, print them."""
+    from crucible.tags import MAX_NOTES
+
+    if clear and text is not None:
+        raise _usage("give either TEXT or --clear, not both")
+    if text is not None and (len(text) > MAX_NOTES or "\x00" in text):
+        raise _usage(f"TEXT: notes are at most {MAX_NOTES:,} characters, without NUL")
+    changes: dict[str, Any] = {"notes": None} if clear else {}
+    if text is not None:
+        changes["notes"] = text
+    _edit(kind, ref, changes, lambda target: f"notes {target['notes'] or '(none)'}")
 
 
 def _usage(message: str) -> typer.Exit:

@@ -4,6 +4,12 @@ Routes call these and never write SQL; the dashboards import them too. Functions
 commit their own transaction (one request = one transaction) and raise `NotFoundError` for a
 missing sweep or run. Lists use keyset pagination: an opaque cursor encodes the sort key of the
 last item returned, so pages stay stable while rows are inserted.
+
+Tags: `update_run` / `update_sweep` apply `add_tags` / `remove_tags` to the row under a row lock
+(SELECT ... FOR UPDATE; on SQLite the database write lock, BEGIN IMMEDIATE) in their one
+transaction, so two concurrent edits never lose a tag; the
+`tag=` filters use JSONB containment on Postgres (`json_each` on SQLite). A sweep may be named
+instead of identified: `resolve_sweep` takes either.
 """
 from __future__ import annotations
 
@@ -15,18 +21,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import and_, func, or_, select, text, update
+from sqlalchemy import and_, func, or_, select, text, type_coerce, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.orm import Session
 
-from api.errors import InvalidInputError, NotFoundError
+from api.errors import InvalidInputError, NotFoundError, RegistryError
+from api.schemas import MAX_TAGS
 from crucible import analysis
 from crucible.config import Config, ConfigError
 from db.models import Event, Metric, Run, Sweep
 
 __all__ = [
-    "create_sweep", "get_sweep", "list_sweeps", "update_sweep", "create_run", "get_run",
+    "create_sweep", "get_sweep", "resolve_sweep", "list_sweeps", "update_sweep", "create_run",
+    "get_run", "TagLimitError",
     "list_runs", "update_run", "insert_metrics", "insert_events", "list_metrics", "list_events",
     "sweep_run_rows", "sweep_robustness", "sweep_table", "encode_cursor", "decode_cursor",
     "cursor_pattern",
@@ -109,11 +118,61 @@ def _keyset_page(session: Session, query: Any, *, columns: tuple[Any, Any],
     return rows[:limit], encode_cursor(key)
 
 
+# ---------------------------------------------------------------- tags
+
+class TagLimitError(RegistryError):
+    """`add_tags` would take an object past `MAX_TAGS` tags (a conflict with what it holds)."""
+
+    status_code = 409
+
+
+def _has_tag(session: Session, column: Any, tag: str) -> Any:
+    """WHERE clause: the JSON list `column` holds `tag`."""
+    if _is_postgres(session):
+        return type_coerce(column, JSONB).contains([tag])
+    each = func.json_each(column).table_valued("value")
+    return select(each.c.value).where(each.c.value == tag).exists()
+
+
+def _lock_for_edit(session: Session) -> None:
+    """Make the read of a read-modify-write (a tag edit) wait for other writers. Postgres: the
+    caller's SELECT ... FOR UPDATE. SQLite has no row locks, and pysqlite begins a transaction
+    only at the first write, so the read would see tags another edit is about to replace: take
+    SQLite's database write lock (BEGIN IMMEDIATE) before reading, unless a transaction is
+    already open on this connection."""
+    if _is_postgres(session):
+        return
+    connection = session.connection()
+    if not connection.connection.dbapi_connection.in_transaction:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _apply_changes(target: Run | Sweep, changes: Mapping[str, Any]) -> None:
+    """Set `changes` on a locked row; `add_tags` / `remove_tags` edit its tags (removals first);
+    None for tags, add_tags or remove_tags leaves them as they are."""
+    changes = dict(changes)
+    add = changes.pop("add_tags", None) or []
+    remove = changes.pop("remove_tags", None) or []
+    if changes.get("tags", []) is None:
+        del changes["tags"]
+    for key, value in changes.items():
+        setattr(target, key, value)
+    if add or remove:
+        tags = (set(target.tags or []) - set(remove)) | set(add)
+        if len(tags) > MAX_TAGS:
+            raise TagLimitError(f"add_tags would give this object {len(tags)} tags, more than "
+                                f"{MAX_TAGS}; remove some first (remove_tags)",
+                                field="body.add_tags")
+        target.tags = sorted(tags)  # a new list: the JSON column sees the change
+
+
 # ---------------------------------------------------------------- sweeps
 
-def create_sweep(session: Session, *, name: str, spec: dict[str, Any] | None = None) -> Sweep:
-    """Create a pending sweep and commit."""
-    sweep = Sweep(name=name, spec=spec, status="pending")
+def create_sweep(session: Session, *, name: str, spec: dict[str, Any] | None = None,
+                 tags: Sequence[str] | None = None, notes: str | None = None) -> Sweep:
+    """Create a pending sweep and commit (`tags` stored de-duplicated and sorted)."""
+    sweep = Sweep(name=name, spec=spec, status="pending", tags=sorted(set(tags or [])),
+                  notes=notes)
     session.add(sweep)
     session.commit()
     return sweep
@@ -127,15 +186,36 @@ def get_sweep(session: Session, *, sweep_id: uuid.UUID) -> Sweep:
     return sweep
 
 
+def resolve_sweep(session: Session, ref: str) -> Sweep:
+    """The sweep `ref` names: a UUID string -> that sweep; anything else -> the newest sweep whose
+    name equals `ref` exactly. Raises NotFoundError naming `ref`."""
+    try:
+        sweep_id = uuid.UUID(ref)
+    except ValueError:
+        sweep_id = None
+    if sweep_id is not None:
+        return get_sweep(session, sweep_id=sweep_id)
+    sweep = session.scalar(select(Sweep).where(Sweep.name == ref)
+                           .order_by(Sweep.created_at.desc(), Sweep.id.desc()).limit(1))
+    if sweep is None:
+        raise NotFoundError(f"no sweep is named {ref!r} (names match exactly); pass a sweep's id "
+                            "or its exact name", field="sweep_ref")
+    return sweep
+
+
 def list_sweeps(session: Session, *, status: str | None = None, name: str | None = None,
-                limit: int = 100, cursor: str | None = None) -> tuple[list[Sweep], str | None]:
+                tag: str | None = None, limit: int = 100,
+                cursor: str | None = None) -> tuple[list[Sweep], str | None]:
     """Sweeps oldest first, at most `limit`, and the cursor of the next page (or None).
-    `name` keeps sweeps whose name contains it, case-insensitively (% and _ are literal)."""
+    `name` keeps sweeps whose name contains it, case-insensitively (% and _ are literal);
+    `tag` those that carry that tag."""
     query = select(Sweep)
     if status is not None:
         query = query.where(Sweep.status == status)
     if name:
         query = query.where(_contains(Sweep.name, name))
+    if tag is not None:
+        query = query.where(_has_tag(session, Sweep.tags, tag))
     return _keyset_page(session, query, columns=(Sweep.created_at, Sweep.id),
                         kinds=(datetime, uuid.UUID), limit=limit, cursor=cursor)
 
@@ -154,14 +234,17 @@ def _arm_filters(arm: Mapping[str, Any]) -> list[Any]:
 
 
 def recent_sweeps(session: Session, *, name: str | None = None, status: str | None = None,
-                  arm: Mapping[str, Any] | None = None, limit: int = 200) -> list[Sweep]:
-    """Newest sweeps first: name containing `name`, of `status`, and having at least one run
-    matching `arm` (compression, strategy, p, preset; None values are ignored)."""
+                  arm: Mapping[str, Any] | None = None, tag: str | None = None,
+                  limit: int = 200) -> list[Sweep]:
+    """Newest sweeps first: name containing `name`, of `status`, carrying `tag`, and having at
+    least one run matching `arm` (compression, strategy, p, preset; None values are ignored)."""
     query = select(Sweep)
     if name:
         query = query.where(_contains(Sweep.name, name))
     if status is not None:
         query = query.where(Sweep.status == status)
+    if tag is not None:
+        query = query.where(_has_tag(session, Sweep.tags, tag))
     clauses = _arm_filters(arm or {})
     if clauses:
         query = query.where(select(Run.id).where(Run.sweep_id == Sweep.id, *clauses).exists())
@@ -187,23 +270,30 @@ def sweep_run_counts(session: Session, *, sweep_ids: Sequence[uuid.UUID]
 
 
 def recent_runs(session: Session, *, name: str | None = None, status: str | None = None,
-                arm: Mapping[str, Any] | None = None, limit: int = 50) -> list[Run]:
-    """Newest runs first: whose own or sweep's name contains `name`, of `status`, matching
-    `arm` (compression, strategy, p, preset; None values are ignored)."""
+                arm: Mapping[str, Any] | None = None, tag: str | None = None,
+                limit: int = 50) -> list[Run]:
+    """Newest runs first: whose own or sweep's name contains `name`, of `status`, carrying
+    `tag` (the run's own tags), matching `arm` (compression, strategy, p, preset; None values
+    are ignored)."""
     query = select(Run).outerjoin(Sweep, Run.sweep_id == Sweep.id)
     if name:
         query = query.where(or_(_contains(Run.name, name), _contains(Sweep.name, name)))
     if status is not None:
         query = query.where(Run.status == status)
+    if tag is not None:
+        query = query.where(_has_tag(session, Run.tags, tag))
     query = query.where(*_arm_filters(arm or {}))
     return list(session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit)))
 
 
 def update_sweep(session: Session, *, sweep_id: uuid.UUID, changes: dict[str, Any]) -> Sweep:
-    """Apply `changes` (status, prefect_flow_run_id) to a sweep and commit."""
-    sweep = get_sweep(session, sweep_id=sweep_id)
-    for key, value in changes.items():
-        setattr(sweep, key, value)
+    """Apply `changes` (status, prefect_flow_run_id, tags, add_tags, remove_tags, notes) to a
+    sweep under a row lock and commit. Raises NotFoundError, TagLimitError."""
+    _lock_for_edit(session)
+    sweep = session.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
+    if sweep is None:
+        raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
+    _apply_changes(sweep, changes)
     session.commit()
     return sweep
 
@@ -252,7 +342,8 @@ def _indexed_strategy(config: Config) -> str | None:
 
 def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID | None = None,
                name: str | None = None, config_hash: str | None = None,
-               code_version: str | None = None) -> Run:
+               code_version: str | None = None, tags: Sequence[str] | None = None,
+               notes: str | None = None) -> Run:
     """Create a pending run from a (possibly partial) config dict, validated and resolved with
     `crucible.config.Config`; link it to its p = 0 baseline in the same sweep; commit.
     Raises NotFoundError for an unknown sweep, InvalidInputError for a bad config."""
@@ -264,7 +355,8 @@ def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID 
               config_hash=config_hash, code_version=code_version,
               compression=resolved.pipeline.compression, strategy=_indexed_strategy(resolved),
               p=p, duration=resolved.faults.duration,
-              seed=resolved.seed, preset=resolved.preset, status="pending")
+              seed=resolved.seed, preset=resolved.preset, status="pending",
+              tags=sorted(set(tags or [])), notes=notes)
     session.add(run)
     session.flush()
     _link_baselines(session, run)
@@ -284,8 +376,10 @@ def list_runs(session: Session, *, sweep_id: uuid.UUID | None = None,
               compression: str | None = None, strategy: str | None = None,
               p: float | None = None, seed: int | None = None, status: str | None = None,
               config_hash: str | None = None, code_version: str | None = None,
-              limit: int = 100, cursor: str | None = None) -> tuple[list[Run], str | None]:
-    """Runs matching every given filter, oldest first, with the next page's cursor (or None)."""
+              tag: str | None = None, limit: int = 100,
+              cursor: str | None = None) -> tuple[list[Run], str | None]:
+    """Runs matching every given filter (`tag`: carrying that tag), oldest first, with the next
+    page's cursor (or None)."""
     query = select(Run)
     filters = {Run.sweep_id: sweep_id, Run.compression: compression, Run.strategy: strategy,
                Run.p: p, Run.seed: seed, Run.status: status, Run.config_hash: config_hash,
@@ -293,15 +387,20 @@ def list_runs(session: Session, *, sweep_id: uuid.UUID | None = None,
     for column, value in filters.items():
         if value is not None:
             query = query.where(column == value)
+    if tag is not None:
+        query = query.where(_has_tag(session, Run.tags, tag))
     return _keyset_page(session, query, columns=(Run.created_at, Run.id),
                         kinds=(datetime, uuid.UUID), limit=limit, cursor=cursor)
 
 
 def update_run(session: Session, *, run_id: uuid.UUID, changes: dict[str, Any]) -> Run:
-    """Apply `changes` (status, results, summary, ...) to a run and commit."""
-    run = get_run(session, run_id=run_id)
-    for key, value in changes.items():
-        setattr(run, key, value)
+    """Apply `changes` (status, results, summary, tags, add_tags, remove_tags, notes, ...) to a
+    run under a row lock and commit. Raises NotFoundError, TagLimitError."""
+    _lock_for_edit(session)
+    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    if run is None:
+        raise NotFoundError(f"run {run_id} does not exist", field="run_id")
+    _apply_changes(run, changes)
     session.commit()
     return run
 

@@ -6,6 +6,12 @@ floats, known enum values, bounded JSON documents (no NUL characters or lone sur
 Postgres cannot store, no NaN/inf, numbers within a double's range, bounded depth and size).
 Unknown fields are refused so typos surface as 422s naming the field.
 
+Tags (`Tags`) are 1-64 characters from `A-Za-z0-9._:/+=-`, at most 32 per object, de-duplicated
+and sorted on the way in; notes are free text up to 10,000 characters. A PATCH gives either `tags`
+(replaces the list) or `add_tags`/`remove_tags` (applied by the server in one transaction), never
+both. `RunFields`/`SweepFields` are the items of a list asked for with `?fields=`: only the named
+fields (see `field_names`), so their schemas require none.
+
 Numbers are strict, as JSON Schema reads the published types: an `integer` field takes a JSON
 integer or a whole number written as a float (`3.0`), a `number` field takes any JSON number;
 strings ("1.5") and booleans are refused. Error bodies have one shape, `ErrorResponse`, for every
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import uuid
 from datetime import datetime
@@ -30,6 +37,7 @@ from pydantic import (
     Strict,
     TypeAdapter,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import core_schema
 from typing_extensions import (  # pydantic refuses typing.TypedDict before 3.12
@@ -38,6 +46,7 @@ from typing_extensions import (  # pydantic refuses typing.TypedDict before 3.12
 )
 
 from crucible.events import EVENT_KINDS, METRIC_NAMES
+from crucible.tags import MAX_NOTES, MAX_TAGS, TAG_PATTERN
 
 __all__ = [
     "MAX_BATCH_ITEMS", "RunStatus", "SweepStatus", "Compression", "Strategy", "MetricName",
@@ -46,6 +55,8 @@ __all__ = [
     "RunPublic", "MetricIn", "MetricPublic", "EventIn", "EventPublic", "MetricBatch",
     "EventBatch", "BatchResult", "Page", "RobustnessItem", "MissingBaseline", "RobustnessPublic",
     "TableCell", "TableRow", "TablePublic", "Health", "Readiness", "ErrorItem", "ErrorResponse",
+    "check_text", "TAG_PATTERN", "MAX_TAGS", "MAX_NOTES", "Tags", "RunFields", "SweepFields",
+    "field_names",
 ]
 
 MAX_BATCH_ITEMS = 10_000
@@ -72,7 +83,8 @@ EVENT_KIND_HELP = ("What happened. Per down stage-replica and global step exactl
                    "checkpoint was skipped on resume).")
 
 
-def _check_text(value: str) -> str:
+def check_text(value: str) -> str:
+    """`value` if Postgres can store it (no NUL, no lone surrogates); raises ValueError."""
     if "\x00" in value:
         raise ValueError("must not contain NUL (\\x00) characters")
     try:
@@ -95,14 +107,14 @@ def _walk_json(value: Any, depth: int) -> None:
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"is nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, str):
-        _check_text(value)
+        check_text(value)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must not contain NaN or infinite numbers")
     elif isinstance(value, int) and not isinstance(value, bool) and _overflows(value):
         raise ValueError(f"must not contain numbers beyond +-{MAX_JSON_NUMBER:.17g}")
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_text(key)
+            check_text(key)
             _walk_json(item, depth + 1)
     elif isinstance(value, list):
         for item in value:
@@ -117,7 +129,7 @@ def _check_json(value: dict[str, Any]) -> dict[str, Any]:
 
 
 # Strings Postgres can store, as the published schema says it (the check itself is
-# `_check_text`, whose message is clearer than a pattern mismatch)
+# `check_text`, whose message is clearer than a pattern mismatch)
 _NO_NUL = {"pattern": "^[^\\x00]*$"}
 
 
@@ -125,7 +137,7 @@ def Text(max_length: int, min_length: int = 0) -> Any:  # noqa: N802 - reads lik
     """A string type with length limits that Postgres can store."""
     return Annotated[str, Field(min_length=min_length, max_length=max_length,
                                 json_schema_extra=_NO_NUL),
-                     AfterValidator(_check_text)]
+                     AfterValidator(check_text)]
 
 
 class _SchemaExtra:
@@ -185,20 +197,68 @@ Index = _json_int(ge=0, le=MAX_SMALL)
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # strict: ints yes, "1.5"/true no
 Loss = Number
 
+_TAG = re.compile(TAG_PATTERN)  # the rule of crucible.tags, which the CLI and sweep form check
+
+
+def _check_tag(tag: str) -> str:
+    if not _TAG.fullmatch(tag):
+        raise ValueError(f"{tag[:80]!r} is not a tag: use 1-64 characters from A-Za-z0-9._:/+=- "
+                         "(no spaces)")
+    return tag
+
+
+def _sorted_unique(tags: list[str]) -> list[str]:
+    return sorted(set(tags))
+
+
+# checked by `_check_tag` (its message names the rule); the schema states the same rule
+Tag = Annotated[str, AfterValidator(_check_tag),
+                _SchemaExtra(minLength=1, maxLength=64, pattern=TAG_PATTERN)]
+Tags = Annotated[list[Tag], Field(max_length=MAX_TAGS, description=(
+    f"at most {MAX_TAGS} tags of 1-64 characters from A-Za-z0-9._:/+=- (stored de-duplicated "
+    "and sorted)")), AfterValidator(_sorted_unique)]
+Notes = Text(MAX_NOTES)
+
 _IN = ConfigDict(extra="forbid", allow_inf_nan=False)
 _OUT = ConfigDict(from_attributes=True)
 
 T = TypeVar("T")
 
 
+# A PATCH replaces the tags or edits them, not both; stated in the schema too, so generated
+# clients and fuzzers know it (values do not matter: giving both keys is the mistake).
+_TAGS_ONE_WAY = "give either tags (replaces the list) or add_tags/remove_tags, not both"
+_TAG_EDITS = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+    "not": {"anyOf": [{"required": ["tags", "add_tags"]},
+                      {"required": ["tags", "remove_tags"]}]}})
+
+
+class _TagEdits(BaseModel):
+    """`tags` replaces the list; `add_tags` / `remove_tags` edit it atomically (removals first,
+    so a tag in both lists is kept); null leaves it as is. `notes`: null clears them."""
+
+    model_config = _TAG_EDITS
+    tags: Tags | None = None
+    add_tags: Tags | None = None
+    remove_tags: Tags | None = None
+    notes: Notes | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _tags_one_way(self) -> _TagEdits:
+        if "tags" in self.model_fields_set and self.model_fields_set & {"add_tags", "remove_tags"}:
+            raise ValueError(_TAGS_ONE_WAY)
+        return self
+
+
 class SweepCreate(BaseModel):
     model_config = _IN
     name: Text(200, 1)  # type: ignore[valid-type]
     spec: JsonObject | None = None
+    tags: Tags = Field(default_factory=list)
+    notes: Notes | None = None  # type: ignore[valid-type]
 
 
-class SweepUpdate(BaseModel):
-    model_config = _IN
+class SweepUpdate(_TagEdits):
     status: SweepStatus | None = None
     prefect_flow_run_id: Text(64) | None = None  # type: ignore[valid-type]
 
@@ -210,6 +270,8 @@ class SweepPublic(BaseModel):
     spec: dict[str, Any] | None
     status: SweepStatus
     prefect_flow_run_id: str | None
+    tags: list[str]
+    notes: str | None
     created_at: datetime
     updated_at: datetime
 
@@ -222,10 +284,11 @@ class RunCreate(BaseModel):
                                            "are completed with defaults and validated")
     config_hash: Text(128) | None = None  # type: ignore[valid-type]
     code_version: Text(128) | None = None  # type: ignore[valid-type]
+    tags: Tags = Field(default_factory=list)
+    notes: Notes | None = None  # type: ignore[valid-type]
 
 
-class RunUpdate(BaseModel):
-    model_config = _IN
+class RunUpdate(_TagEdits):
     status: RunStatus | None = None
     status_reason: Text(4000) | None = None  # type: ignore[valid-type]
     initial_val_loss: Loss | None = None
@@ -261,10 +324,39 @@ class RunPublic(BaseModel):
     tokens_budget: int | None
     tokens_processed: int | None
     owed_records: int | None
-    summary: dict[str, Any] | None
+    summary: dict[str, Any] | None = Field(
+        description="the run's summary.json; its `config` key is left out when it equals the "
+                    "run's `config` (one copy per run)")
     prefect_flow_run_id: str | None
+    tags: list[str]
+    notes: str | None
     created_at: datetime
     updated_at: datetime
+
+    @model_validator(mode="after")
+    def _config_once(self) -> RunPublic:
+        if self.summary and "config" in self.summary and self.summary["config"] == self.config:
+            self.summary = {k: v for k, v in self.summary.items() if k != "config"}
+        return self
+
+
+def field_names(model: type[BaseModel]) -> tuple[str, ...]:
+    """The top-level fields of a public model, in order: what `?fields=` may name."""
+    return tuple(model.model_fields)
+
+
+def _selection(model: type[BaseModel], name: str) -> Any:
+    """A TypedDict of `model`'s fields, none required: an item listed with `?fields=`."""
+    fields = {key: NotRequired[Annotated[info.annotation, Field(description=info.description)]]
+              for key, info in model.model_fields.items()}
+    selection = TypedDict(name, fields)  # type: ignore[operator]
+    selection.__doc__ = (f"A {model.__name__} with only the fields named in ?fields= (id is "
+                         f"always included).")
+    return selection
+
+
+RunFields = _selection(RunPublic, "RunFields")
+SweepFields = _selection(SweepPublic, "SweepFields")
 
 
 # A TypedDict, not a model: a batch holds up to 10,000 metric points, and plain dicts of numbers

@@ -6,8 +6,9 @@ reads `os.environ` itself. The embedded default is an SQLite file in the working
 from __future__ import annotations
 
 from functools import lru_cache
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "get_settings"]
@@ -38,6 +39,22 @@ class Settings(BaseSettings):
     session_ttl_s: int = Field(12 * 3600, gt=0, description="how long a browser session lasts "
                                                             "(never past its token's expiry)")
     migrate_on_start: bool = Field(False, description="run migrations to head when the app starts")
+    prefect_ui_url: str | None = Field(
+        None, description="the Prefect UI's base URL, e.g. http://127.0.0.1:4200; pages then link "
+                          "a flow run as {prefect_ui_url}/runs/flow-run/{id} (unset: no links)")
+
+    @field_validator("prefect_ui_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        """An http(s) URL without its trailing slash; '' counts as unset."""
+        if value is None or not value.strip():
+            return None
+        url = value.strip().rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"CRUCIBLE_PREFECT_UI_URL={value!r} is not an http(s) URL; give "
+                             "the Prefect UI's address, e.g. http://127.0.0.1:4200")
+        return url
 
 
 @lru_cache(maxsize=1)

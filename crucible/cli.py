@@ -3,8 +3,9 @@ dashboards meet.
 
     crucible presets
     crucible run --preset NAME [--set key.path=value ...] [--out DIR] [--resume | --overwrite]
+                 [--api URL | --no-api] [--name N] [--tag T ...] [--note TEXT]
     crucible sweep ... | crucible deploy ...      (flows)
-    crucible report --sweep ID --out FILE.html    (dashboards)
+    crucible report SWEEP --out FILE.html         (dashboards; SWEEP = name or UUID)
     crucible api ... | crucible db upgrade        (registry)
 
 Exit codes: 0 success, 2 bad input or a run this machine cannot start (one `error:` line names
@@ -113,15 +114,38 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
             False, "--skip-memory-check",
             help="start even when the estimated peak memory exceeds what this machine has "
                  "left (docs/OPERATIONS.md, Memory estimate)"),
+        api: str | None = typer.Option(
+            None, "--api", envvar="CRUCIBLE_API_URL",
+            help="report the run to the Crucible registry at this base URL (e.g. "
+                 "http://127.0.0.1:8000; write token from CRUCIBLE_API_TOKEN): its metrics and "
+                 "events appear on the dashboards. The registry must answer when the run "
+                 "starts (else exit 2, nothing trained); an outage later is spooled and "
+                 "replayed"),
+        no_api: bool = typer.Option(False, "--no-api",
+                                    help="do not report to the registry, even with "
+                                         "CRUCIBLE_API_URL set"),
+        name: str | None = typer.Option(None, "--name", help="the run's name in the registry "
+                                                             "(default: the --out folder's)"),
+        tags: list[str] = typer.Option([], "--tag", help="tag of the run in the registry "
+                                                         "(repeatable; 1-64 characters from "
+                                                         "A-Za-z0-9._:/+=-)"),
+        note: str | None = typer.Option(None, "--note", help="free-text notes on the run in the "
+                                                              "registry"),
         ) -> None:
-    """Train one run locally (no server needed), write OUT/summary.json and print its headline
-    numbers (final val loss +- s.e., tokens, failures, bytes uploaded, wall time).
+    """Train one run locally, write OUT/summary.json and print its headline numbers (final val
+    loss +- s.e., tokens, failures, bytes uploaded, wall time).
 
     Before anything is written, the run is checked against this machine: the device exists,
     OUT (and a file:// store) can be written, and the estimated peak memory fits. OUT never
     mixes two runs: one that holds another run is refused (exit 2) unless --resume continues it
-    with the same configuration or --overwrite replaces it."""
+    with the same configuration or --overwrite replaces it.
+
+    With --api (or CRUCIBLE_API_URL) the run is also registered with the registry (name, tags,
+    notes, config), reported live and marked completed or failed; its dashboard page is printed
+    at the start and the end."""
     _setup_logging()
+    api_url = None if no_api else (api or None)
+    registry_options = _registry_options(api_url, tags, note)
     from crucible.checkpoint import CheckpointError
     from crucible.config import ConfigError, apply_overrides
     from crucible.faults import FaultPlanError
@@ -133,7 +157,7 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
                     "--out, --overwrite replaces it")
     if resume and out is None:
         raise _fail("--resume needs --out: the folder of the run to continue")
-    config = summary = None
+    config = summary = reported = None
     new_dir = out is None
     try:
         config = apply_overrides(get_preset(preset), overrides)
@@ -147,7 +171,12 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
         check_can_start(config, out_dir=out, memory_check=not skip_memory_check)
         if overwrite:
             _clear_run_folder(out)
-        summary = train(config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty())
+        if registry_options is not None:
+            reported = _register_run(registry_options, config, out, name=name or out.name,
+                                     resume=resume)
+        summary = _train_reported(reported, lambda: train(
+            config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty(),
+            callback=reported.callback if reported else None))
     except (ConfigError, FaultPlanError) as exc:
         raise _fail(str(exc)) from None
     except CheckpointError as exc:
@@ -163,6 +192,91 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
             out.rmdir()   # a run refused before it wrote anything leaves no empty folder
     _print_summary(summary)
     typer.echo(f"summary: {out / 'summary.json'}")
+    if reported is not None:
+        from crucible.reporting import ApiError
+
+        try:
+            owed = reported.finish(summary)
+        except ApiError as exc:     # refused (not unreachable: that is spooled, `owed`)
+            raise _fail(f"the registry refused the run's final state: {exc}; the run's files "
+                        f"are in {out}", code=1) from None
+        if owed is not None:
+            typer.echo(f"warning: the registry has not recorded this run's end yet ({owed} "
+                       f"records owed, kept in {reported.settings.spool_root}); it shows the "
+                       "run as running until `crucible api replay` (or any later run) delivers "
+                       "them", err=True)
+        typer.echo(f"run page: {reported.page}")
+
+
+def _registry_options(api_url: str | None, tags: list[str],
+                      note: str | None) -> dict | None:
+    """What `crucible run` needs to report to the registry ({settings, tags, notes}), or None
+    without a registry; exit 2 naming the option for a bad tag, note or URL."""
+    from pydantic import ValidationError
+
+    from crucible.tags import check_notes, check_tags
+
+    try:
+        tags, note = check_tags(tags, field="--tag"), check_notes(note, field="--note")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if api_url is None:
+        if tags or note:
+            raise _fail("--tag and --note are recorded in the registry: give --api URL or set "
+                        "CRUCIBLE_API_URL (and leave out --no-api)")
+        return None
+    if not api_url.startswith(("http://", "https://")):
+        raise _fail(f"--api (or CRUCIBLE_API_URL)={api_url!r} must start with http:// or "
+                    "https://, e.g. http://127.0.0.1:8000")
+    from flows.settings import FlowSettings
+
+    try:
+        settings = FlowSettings(api_url=api_url)
+    except ValidationError as exc:
+        raise _fail("; ".join(str(error["msg"]) for error in exc.errors())) from None
+    return {"settings": settings, "tags": tags, "notes": note}
+
+
+def _register_run(options: dict, config, out: Path, *, name: str,  # noqa: ANN001 - a Config
+                  resume: bool):  # noqa: ANN202 - a flows.standalone.StandaloneRun
+    """Register the run with the registry before it trains; exit 2 when the registry cannot be
+    reached or refuses (nothing is trained)."""
+    from crucible.reporting import ApiError, ApiUnavailable
+    from flows.standalone import start_run
+
+    settings = options["settings"]
+    try:
+        reported = start_run(settings, config, out, name=name, tags=options["tags"],
+                             notes=options["notes"], resume=resume)
+    except ApiUnavailable as exc:
+        raise _fail(f"cannot reach the registry at {settings.api_url} ({exc.detail}); start it "
+                    "(`crucible api`, infra/stack.sh), fix --api or CRUCIBLE_API_URL, or "
+                    "pass --no-api to train without reporting. Nothing was trained") from None
+    except ApiError as exc:
+        if exc.status_code in (401, 403):
+            raise _fail(f"the registry at {settings.api_url} refused the token ({exc.detail}); "
+                        "set CRUCIBLE_API_TOKEN to a write token (`crucible api token create`)"
+                        ) from None
+        raise _fail(f"the registry at {settings.api_url} refused the run: {exc}") from None
+    typer.echo(f"run page: {reported.page} (registry run {reported.run_id})")
+    return reported
+
+
+def _train_reported(reported, train_fn):  # noqa: ANN001, ANN202 - StandaloneRun, a callable
+    """`train_fn()`; when the run is reported, a run that raises is recorded failed (cancelled
+    on Ctrl-C) with its reason before the error goes on."""
+    if reported is None:
+        return train_fn()
+    from flows.errors import describe
+
+    try:
+        return train_fn()
+    except KeyboardInterrupt:
+        reported.end("cancelled", "interrupted (Ctrl-C)")
+        raise
+    except BaseException as exc:
+        reported.end("failed", describe(exc))
+        raise
 
 
 def _summary_rows(summary: dict) -> list[tuple[str, str]]:
@@ -195,7 +309,7 @@ def _print_summary(summary: dict) -> None:
 
 # what `train()` writes into its folder; any of the first four means the folder holds a run
 _RUN_MARKERS = ("run.json", "summary.json", "metrics.jsonl", "events.jsonl")
-_RUN_FILES = (*_RUN_MARKERS, "model.pt", "val_windows.pt")
+_RUN_FILES = (*_RUN_MARKERS, "model.pt", "val_windows.pt", "registry.json")
 
 
 def _new_run_dir(preset: str) -> Path:

@@ -23,13 +23,15 @@ from typing import IO, Any
 
 from crucible.registry_client import ApiError
 from crucible.spool import (
-    _append_line,
-    _is_current,
-    _lock,
-    _open_in_run_folder,
-    _remove_if_empty,
-    _run_lock,
     run_state,
+)
+from crucible.spool_files import (
+    append_line,
+    is_current,
+    lock_fd,
+    open_in_run_folder,
+    remove_if_empty,
+    run_folder_lock,
 )
 
 __all__ = ["FINISH", "append", "last_line", "outcome", "refuse", "retire", "restore_leftover"]
@@ -45,9 +47,9 @@ def append(run_dir: Path, changes: dict[str, Any]) -> str:
     line = {"id": uuid.uuid4().hex, "changes": changes}
     path = run_dir / FINISH
     while True:
-        with _open_in_run_folder(path, "ab") as fh:
-            _append_line(fh, line)
-            if _is_current(fh.fileno(), path):
+        with open_in_run_folder(path, "ab") as fh:
+            append_line(fh, line)
+            if is_current(fh.fileno(), path):
                 return line["id"]
         # retired or set aside while it was written: write it again, to the fresh file
 
@@ -104,7 +106,7 @@ def refuse(run_dir: Path, line: dict[str, Any], error: ApiError) -> Path:
     """Keep a final state the API refused, with its answer; returns where."""
     path = run_dir / _REFUSED
     with open(path, "ab") as fh:
-        _append_line(fh, {**line, "error": {"status_code": error.status_code,
+        append_line(fh, {**line, "error": {"status_code": error.status_code,
                                             "detail": error.detail}})
     return path
 
@@ -115,8 +117,8 @@ def retire(run_dir: Path, fh: IO[bytes], read_to: int, *, wait_s: float) -> None
     meanwhile, or when the run folder stays locked past `wait_s` (then applied again by a
     later settle: harmless)."""
     path, retiring = run_dir / FINISH, run_dir / _RETIRING
-    with _run_lock(run_dir, wait_s=wait_s) as held:
-        if not (held and _is_current(fh.fileno(), path)):
+    with run_folder_lock(run_dir, wait_s=wait_s) as held:
+        if not (held and is_current(fh.fileno(), path)):
             return
         os.replace(path, retiring)      # from now on appenders write their line again
         with open(retiring, "rb") as renamed:
@@ -131,7 +133,7 @@ def retire(run_dir: Path, fh: IO[bytes], read_to: int, *, wait_s: float) -> None
         if not later:
             state = run_state(run_dir)
             if not state.owed and not state.busy:
-                _remove_if_empty(run_dir)
+                remove_if_empty(run_dir)
 
 
 def restore_leftover(run_dir: Path) -> bool:
@@ -145,7 +147,7 @@ def restore_leftover(run_dir: Path) -> bool:
     except FileNotFoundError:
         return False
     with fh:
-        if not _lock(fh.fileno(), wait_s=0.0):
+        if not lock_fd(fh.fileno(), wait_s=0.0):
             return False        # a settle is retiring it right now
         if (run_dir / FINISH).exists():
             retiring.unlink()

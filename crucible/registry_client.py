@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
-__all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient"]
+__all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient", "RegistryClient"]
 
 _TRANSIENT = {408, 429, 500, 502, 503, 504}
 _PREFIX = "/api/v1"
@@ -122,14 +123,19 @@ class ApiClient:
 
     # ------------------------------------------------------------ sweeps
 
-    def create_sweep(self, name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.request("POST", f"{_PREFIX}/sweeps", json_body={"name": name, "spec": spec})
+    def create_sweep(self, name: str, spec: dict[str, Any] | None = None, *,
+                     tags: list[str] | None = None, notes: str | None = None) -> dict[str, Any]:
+        body = {"name": name, "spec": spec, "tags": tags, "notes": notes}
+        return self.request("POST", f"{_PREFIX}/sweeps",
+                            json_body={k: v for k, v in body.items() if v is not None})
 
-    def get_sweep(self, sweep_id: str) -> dict[str, Any]:
-        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}")
+    def get_sweep(self, sweep_ref: str) -> dict[str, Any]:
+        """The sweep with this id, or the newest one with exactly this name."""
+        return self.request("GET", f"{_PREFIX}/sweeps/{quote(sweep_ref, safe='')}")
 
     def update_sweep(self, sweep_id: str, **changes: Any) -> dict[str, Any]:
-        """PATCH a sweep: status=..., prefect_flow_run_id=..."""
+        """PATCH a sweep: status=, prefect_flow_run_id=, tags= (replaces) or add_tags= /
+        remove_tags= (edited atomically), notes= (None clears)."""
         return self.request("PATCH", f"{_PREFIX}/sweeps/{sweep_id}", json_body=changes)
 
     def robustness(self, sweep_id: str) -> dict[str, Any]:
@@ -142,9 +148,11 @@ class ApiClient:
 
     def create_run(self, config: dict[str, Any], *, sweep_id: str | None = None,
                    name: str | None = None, config_hash: str | None = None,
-                   code_version: str | None = None) -> dict[str, Any]:
+                   code_version: str | None = None, tags: list[str] | None = None,
+                   notes: str | None = None) -> dict[str, Any]:
         body = {"config": config, "sweep_id": sweep_id, "name": name,
-                "config_hash": config_hash, "code_version": code_version}
+                "config_hash": config_hash, "code_version": code_version, "tags": tags,
+                "notes": notes}
         return self.request("POST", f"{_PREFIX}/runs",
                             json_body={k: v for k, v in body.items() if v is not None})
 
@@ -153,13 +161,15 @@ class ApiClient:
 
     def update_run(self, run_id: str, *, retries: int | None = None,
                    **changes: Any) -> dict[str, Any]:
-        """PATCH a run: status=, status_reason=, owed_records=, final_val_loss=, summary=, ..."""
+        """PATCH a run: status=, status_reason=, owed_records=, final_val_loss=, summary=,
+        tags= (replaces) or add_tags= / remove_tags= (edited atomically), notes= (None clears),
+        ..."""
         return self.request("PATCH", f"{_PREFIX}/runs/{run_id}", json_body=changes,
                             retries=retries)
 
     def list_runs(self, **filters: Any) -> list[dict[str, Any]]:
         """Every run matching the filters (sweep_id, compression, strategy, p, seed, status,
-        config_hash, code_version), following pagination."""
+        config_hash, code_version, tag), following pagination."""
         return list(self._pages(f"{_PREFIX}/runs", filters))
 
     # ------------------------------------------------------------ metrics and events
@@ -179,6 +189,10 @@ class ApiClient:
 
     def list_events(self, run_id: str, *, kind: str | None = None) -> list[dict[str, Any]]:
         return list(self._pages(f"{_PREFIX}/runs/{run_id}/events", {"kind": kind}))
+
+
+# the name the flows' and CLI's documentation uses for it
+RegistryClient = ApiClient
 
 
 def _error(response: httpx.Response) -> ApiError:

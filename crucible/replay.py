@@ -44,13 +44,15 @@ from crucible.spool import (
     SPOOL_SUFFIX,
     RunState,
     SpoolFile,
-    _is_current,
-    _lock,
-    _remove_if_empty,
-    _run_lock,
     drain,
     run_state,
     send_record,
+)
+from crucible.spool_files import (
+    is_current,
+    lock_fd,
+    remove_if_empty,
+    run_folder_lock,
 )
 
 __all__ = ["ReplayReport", "replay_spools", "record_finish", "supersede_finish"]
@@ -164,7 +166,7 @@ def supersede_finish(root: str | os.PathLike[str], run_id: str, *, wait_s: float
     state was set aside."""
     run_dir = Path(root) / validate_id(run_id, field="run_id")
     path = run_dir / FINISH
-    with _run_lock(run_dir, wait_s=_LOCK_WAIT_S) as held:
+    with run_folder_lock(run_dir, wait_s=_LOCK_WAIT_S) as held:
         if held:    # a dead settle's leftover is an earlier attempt's state too
             finish_file.restore_leftover(run_dir)
     while True:
@@ -173,13 +175,13 @@ def supersede_finish(root: str | os.PathLike[str], run_id: str, *, wait_s: float
         except FileNotFoundError:
             return False
         with fh:
-            in_flight = not _lock(fh.fileno(), wait_s=wait_s)
-            with _run_lock(run_dir, wait_s=_LOCK_WAIT_S) as held:
+            in_flight = not lock_fd(fh.fileno(), wait_s=wait_s)
+            with run_folder_lock(run_dir, wait_s=_LOCK_WAIT_S) as held:
                 if not held:
                     _log.warning("run %s: its folder stays locked; the final state an earlier "
                                  "attempt left in %s may still be applied", run_id, path)
                     return False
-                if _is_current(fh.fileno(), path):
+                if is_current(fh.fileno(), path):
                     earlier, _read_to = finish_file.last_line(fh)
                     path.unlink()       # an append racing with this writes its line again
                     break
@@ -265,10 +267,10 @@ def _settle(client: ApiClient, run_dir: Path, report: ReplayReport, *,
                 continue            # a dead settle's leftover is back in place
             return
         with fh:
-            if not _lock(fh.fileno(), wait_s=_wait_s(until)):
+            if not lock_fd(fh.fileno(), wait_s=_wait_s(until)):
                 _count(run_dir, report)    # another settle is updating the registry for it
                 return
-            if _is_current(fh.fileno(), path):
+            if is_current(fh.fileno(), path):
                 _settle_held(client, run_dir, fh, report, retries=retries, until=until)
                 return
         if until is not None and time.monotonic() >= until:   # retired or set aside while
@@ -280,7 +282,7 @@ def _settle_held(client: ApiClient, run_dir: Path, fh: IO[bytes], report: Replay
                  retries: int | None, until: float | None) -> None:
     """The settle step, holding finish.jsonl (`fh`)."""
     run_id = run_dir.name
-    with _run_lock(run_dir, wait_s=_wait_s(until)) as held:
+    with run_folder_lock(run_dir, wait_s=_wait_s(until)) as held:
         state = run_state(run_dir)
         if state.owed:
             report.owed[run_id] = state.owed
@@ -319,14 +321,14 @@ def _count(run_dir: Path, report: ReplayReport) -> None:
 def _count_and_tidy(run_dir: Path, report: ReplayReport, *, until: float | None) -> bool:
     """No final state to record: count what the run owes, remove its folder once empty.
     Returns True instead when a dead settle's leftover final state was put back."""
-    with _run_lock(run_dir, wait_s=_wait_s(until)) as held:
+    with run_folder_lock(run_dir, wait_s=_wait_s(until)) as held:
         if held and finish_file.restore_leftover(run_dir):
             return True
         state = run_state(run_dir) if run_dir.is_dir() else RunState()
         if state.owed:
             report.owed[run_dir.name] = state.owed
         if held and not state.owed and not state.busy:
-            _remove_if_empty(run_dir)
+            remove_if_empty(run_dir)
     return False
 
 

@@ -1,7 +1,8 @@
 """Reporting a run to the registry: `ApiCallback`, the trainer callback that sends metrics and
 events to the API from a background thread, never stalling training, never losing a record and
 never storing one twice. `ApiClient` and its errors (`crucible.registry_client`) and the replay
-of spools with a run's final state (`crucible.replay`) are importable from here too.
+of spools with a run's final state (`crucible.replay`) are importable from here too;
+`final_changes` builds the final state that ends a run (completed with its summary, or failed).
 
 How `ApiCallback` keeps those promises:
 - the training thread only hands records over: `metric`/`event` buffer them, and a full batch
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -63,10 +65,38 @@ from crucible.replay import ReplayReport, record_finish, replay_spools, supersed
 from crucible.spool import SpoolFile, drain, send_record
 
 __all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient", "ApiCallback",
-           "ReplayReport", "replay_spools", "record_finish", "supersede_finish"]
+           "ReplayReport", "replay_spools", "record_finish", "supersede_finish", "final_changes"]
 
 _log = logging.getLogger(__name__)
 _FIRST_BACKOFF_S = 0.5
+
+
+def final_changes(*, summary: dict[str, Any] | None = None,
+                  reason: str | None = None) -> dict[str, Any]:
+    """The changes that end a run (for `record_finish`): completed with the trainer's `summary`
+    (its headline numbers and the summary itself), or, without one, failed with `reason`."""
+    if summary is None:
+        return {"status": "failed", "status_reason": reason}
+    return {"status": "completed", "status_reason": None,
+            "initial_val_loss": summary.get("initial_val_loss"),
+            "final_val_loss": summary.get("final_val_loss"),
+            "tokens_budget": summary.get("tokens_budget"),
+            "tokens_processed": summary.get("tokens_processed"),
+            "summary": _json_safe(summary)}
+
+
+def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary as the registry stores it (non-finite floats become None: JSON has none)."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return json.loads(json.dumps(clean(summary), default=str))
 
 
 def _batches(run_id: str, metrics: list[dict[str, Any]], events: list[dict[str, Any]],

@@ -26,90 +26,33 @@ by (name, step, replica) and events by id.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from crucible.registry_client import ApiClient, ApiError, ApiUnavailable
+from crucible.spool_files import (
+    POLL_S,
+    append_line,
+    is_current,
+    lock_fd,
+    open_in_run_folder,
+    remove_if_empty,
+    run_folder_lock,
+)
 
 __all__ = ["SPOOL_SUFFIX", "SpoolFile", "RunState", "run_state", "send_record", "drain"]
 
 _log = logging.getLogger(__name__)
 
 SPOOL_SUFFIX = ".spool.jsonl"
-_POLL_S = 0.05
 _KINDS = ("metrics", "events")
-
-
-def _append_line(fh: IO[bytes], record: dict[str, Any]) -> None:
-    fh.seek(0, os.SEEK_END)
-    fh.write(json.dumps(record).encode("utf-8") + b"\n")
-    fh.flush()
-    os.fsync(fh.fileno())
-
-
-def _lock(fd: int, *, wait_s: float) -> bool:
-    """Take an exclusive flock on `fd`, polling for up to `wait_s`; False if still held."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
-
-
-def _is_current(fd: int, path: Path) -> bool:
-    """True while `path` still names the file open as `fd`: a holder that emptied a spool
-    removes it before unlocking, so whoever waited for that lock must look again."""
-    try:
-        named = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-@contextmanager
-def _run_lock(run_dir: Path, *, wait_s: float) -> Iterator[bool]:
-    """Hold the run folder's flock for the block; yields False when it could not be taken
-    within `wait_s` or the folder is gone. Held for file operations only, never a request."""
-    try:
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        yield False
-        return
-    try:
-        yield _lock(fd, wait_s=wait_s) and _is_current(fd, run_dir)
-    finally:
-        os.close(fd)
-
-
-def _open_in_run_folder(path: Path, mode: str) -> IO[bytes]:
-    """Open `path` in `mode`, making its run folder first - again when a reporter or a replay
-    removed the empty folder in between."""
-    while True:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return open(path, mode)
-        except FileNotFoundError:
-            continue
-
-
-def _remove_if_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:
-        pass        # not empty (or already gone): nothing to tidy
 
 
 def _read_offset(offset_path: Path) -> int:
@@ -173,11 +116,11 @@ class SpoolFile:
         path = run_dir / f"{writer}{SPOOL_SUFFIX}"
         while True:
             try:
-                fh = _open_in_run_folder(path, "xb+")
+                fh = open_in_run_folder(path, "xb+")
             except FileExistsError:          # a replay holds it, found it empty, removes it
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
                 continue
-            if _lock(fh.fileno(), wait_s=1.0) and _is_current(fh.fileno(), path):
+            if lock_fd(fh.fileno(), wait_s=1.0) and is_current(fh.fileno(), path):
                 return cls(path, fh)
             fh.close()
 
@@ -189,7 +132,7 @@ class SpoolFile:
             fh = open(path, "rb+")
         except FileNotFoundError:
             return None
-        if _lock(fh.fileno(), wait_s=wait_s) and _is_current(fh.fileno(), path):
+        if lock_fd(fh.fileno(), wait_s=wait_s) and is_current(fh.fileno(), path):
             return cls(path, fh)
         fh.close()
         return None
@@ -213,7 +156,7 @@ class SpoolFile:
 
     def append(self, record: dict[str, Any]) -> None:
         """Add a batch at the end; it counts once this returns (fsync'd)."""
-        _append_line(self._fh, record)
+        append_line(self._fh, record)
 
     def pending(self) -> bool:
         return self._size() > self._delivered
@@ -269,9 +212,9 @@ class SpoolFile:
             self.offset_path.unlink(missing_ok=True)
         self._fh.close()
         if empty:
-            with _run_lock(self.path.parent, wait_s=0.0) as held:
+            with run_folder_lock(self.path.parent, wait_s=0.0) as held:
                 if held:
-                    _remove_if_empty(self.path.parent)
+                    remove_if_empty(self.path.parent)
 
 
 @dataclass
@@ -296,7 +239,7 @@ def run_state(run_dir: Path) -> RunState:
         except FileNotFoundError:
             continue
         with fh:
-            state.busy |= not _lock(fh.fileno(), wait_s=0.0)     # released when fh closes
+            state.busy |= not lock_fd(fh.fileno(), wait_s=0.0)     # released when fh closes
             state.owed += _items_after(fh, _read_offset(path.with_name(path.name + ".offset")))
     for path in sorted(run_dir.glob(f"*{SPOOL_SUFFIX}.rejected")):
         with open(path, "rb") as fh:

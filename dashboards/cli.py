@@ -1,12 +1,14 @@
 """Command-line commands contributed by the `dashboards` package (registered by crucible.cli).
 
-- `crucible report --sweep ID --out FILE.html [--database-url URL]` writes the offline dashboard
-  of a sweep (one self-contained HTML file). The database defaults to the registry's settings
-  (`CRUCIBLE_DATABASE_URL`). Exit 0 on success, 2 for an unknown or malformed sweep id or an
-  unreadable database (nothing is written then).
+- `crucible report SWEEP --out FILE.html [--database-url URL]` writes the offline report of a
+  sweep (SWEEP: its id or exact name; the newest sweep of that name): one self-contained HTML
+  file with the sweep page and every run's page, linked. `--sweep SWEEP` is the older spelling
+  and still works. The database defaults to the registry's settings (`CRUCIBLE_DATABASE_URL`).
+  Exit 0 on success, 2 for an unknown sweep or an unreadable database (nothing is written then).
 """
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import typer
@@ -14,22 +16,46 @@ import typer
 __all__ = ["register", "report"]
 
 
+def _unknown(ref: str) -> str:
+    if _is_uuid(ref):
+        return f"sweep {ref} does not exist (GET /api/v1/sweeps lists the sweeps)"
+    return (f"{ref!r} is not a UUID and no sweep is named exactly so; pass a sweep's id or its "
+            "exact name (GET /api/v1/sweeps lists them)")
+
+
+def _is_uuid(ref: str) -> bool:
+    try:
+        uuid.UUID(ref)
+    except ValueError:
+        return False
+    return True
+
+
 def report(
-    sweep: str = typer.Option(..., "--sweep", help="the sweep's id (a UUID)"),
+    sweep_ref: str | None = typer.Argument(
+        None, metavar="SWEEP", help="the sweep's id (a UUID) or its exact name", show_default=False),
     out: Path = typer.Option(..., "--out", help="the HTML file to write", dir_okay=False),
+    sweep: str | None = typer.Option(None, "--sweep", help="same as SWEEP (older spelling)",
+                                     hidden=True),
     database_url: str | None = typer.Option(
         None, "--database-url", help="registry database (default: CRUCIBLE_DATABASE_URL)"),
 ) -> None:
-    """Write the offline robustness dashboard of a sweep to one self-contained HTML file."""
+    """Write the offline report of a sweep (its page and every run's page) to one HTML file."""
     from sqlalchemy.exc import OperationalError, ProgrammingError  # noqa: PLC0415
 
     from api.errors import NotFoundError  # noqa: PLC0415 - keep `crucible --help` fast
     from dashboards.export import write_report  # noqa: PLC0415
 
+    if (sweep_ref is None) == (sweep is None):
+        typer.echo("error: SWEEP: give the sweep's id or name once, e.g. "
+                   "`crucible report my-sweep --out report.html`", err=True)
+        raise typer.Exit(code=2)
+    ref = sweep_ref if sweep_ref is not None else sweep
+    assert ref is not None
     try:
-        path = write_report(sweep, out, database_url=database_url)
-    except (NotFoundError, ValueError) as exc:
-        typer.echo(f"error: --sweep: {exc}", err=True)
+        path = write_report(ref, out, database_url=database_url)
+    except NotFoundError:
+        typer.echo(f"error: SWEEP: {_unknown(ref)}", err=True)
         raise typer.Exit(code=2) from None
     except (OperationalError, ProgrammingError) as exc:
         typer.echo(f"error: --database-url: cannot read the registry ({exc.orig}); check the URL "

@@ -8,6 +8,7 @@ Non-finite numbers are dropped before plotting (a NaN would silently break a cur
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,7 +31,8 @@ from dashboards.style import (
 )
 
 __all__ = ["robustness_curves", "robustness_table", "loss_curves", "val_loss_points",
-           "fault_timeline", "token_accounting", "bytes_sent", "BYTE_KINDS", "BASELINE_LABEL"]
+           "train_loss_per_replica", "fault_timeline", "token_accounting", "bytes_sent",
+           "BYTE_KINDS", "BASELINE_LABEL"]
 
 P_AXIS_TITLE = "Failure probability per replica per global step (%)"
 # a baseline (p = 0) has no strategy of its own (the registry stores None); it is drawn with each
@@ -254,12 +256,93 @@ def loss_curves(series: Sequence[Mapping[str, Any]]) -> go.Figure:
     return fig
 
 
+# Room for a legend under the plot: its entries wrap at this width (a figure in the page's
+# two-column grid is about this wide; a full-width one just wraps less than planned).
+_LEGEND_WIDTH_PX = 560
+_LEGEND_ROW_PX = 24
+_CHAR_PX = 7.5  # a 13 px system-ui character, generously
+
+
+def _legend_rows(names: Sequence[str]) -> int:
+    """How many rows a horizontal legend of `names` takes at _LEGEND_WIDTH_PX."""
+    rows, used = 1, 0.0
+    for name in names:
+        width = 40 + _CHAR_PX * len(name)  # symbol, gap and text
+        if used and used + width > _LEGEND_WIDTH_PX:
+            rows, used = rows + 1, 0.0
+        used += width
+    return rows
+
+
 def _legend_below(fig: go.Figure) -> None:
-    """A horizontal legend under the x-axis title (anchored to the container, not the axes)."""
+    """A horizontal legend under the x-axis title (anchored to the container, not the axes),
+    with a bottom margin sized to its entries so it never overlaps the title or is cut off."""
+    names = [str(t.name) for t in fig.data if t.showlegend is not False and t.name]
+    extra = _LEGEND_ROW_PX * _legend_rows(names)
     fig.update_layout(legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 0,
                               "yanchor": "bottom", "yref": "container"},
-                      margin={"b": 100})
-    fig.update_layout(height=(fig.layout.height or 450) + 40)
+                      margin={"b": 64 + extra})
+    fig.update_layout(height=(fig.layout.height or 450) + extra)
+
+
+# --- training loss per replica ----------------------------------------------------------------
+
+def _step_stride(series: Iterable[Sequence[tuple[float, float]]]) -> float:
+    """The spacing of reported global steps (1, or k when the registry thinned the rows)."""
+    gaps = []
+    for points in series:
+        steps = sorted(pt[0] for pt in points)
+        gaps += [b - a for a, b in itertools.pairwise(steps) if b > a]
+    return min(gaps) if gaps else 1.0
+
+
+def _break_gaps(points: Sequence[tuple[float, float]],
+                stride: float) -> tuple[list[float | None], list[float | None]]:
+    """x and y of `points` with a None between two steps further apart than `stride`: a replica
+    that reported no loss for a while (its stage was down and its tokens dropped) shows a gap,
+    not a straight line across the steps it did not train."""
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    for i, (x, y) in enumerate(points):
+        if i and x - points[i - 1][0] > stride * 1.5:
+            xs.append(None)
+            ys.append(None)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def train_loss_per_replica(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Each replica's training loss over global steps, one line per replica that reported one.
+
+    Input: `train_loss` metric rows {global_step, replica, value} (the registry thins a long
+    run's rows, see `dashboards.queries`). A replica whose loss jumps or flattens while the others
+    do not is the one to look at in the fault timeline below.
+    """
+    by_replica: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        replica, step, value = row.get("replica"), row.get("global_step"), row.get("value")
+        if row.get("name", "train_loss") == "train_loss" and _finite(replica) and _finite(step) \
+                and _finite(value):
+            by_replica[int(replica)].append((float(step), float(value)))
+    title = "Training loss per replica"
+    if not by_replica:
+        return empty_figure(title=title, message="No training loss recorded yet.")
+    fig = go.Figure()
+    stride = _step_stride(by_replica.values())
+    for replica in sorted(by_replica):
+        xs, ys = _break_gaps(sorted(by_replica[replica]), stride)
+        fig.add_trace(go.Scatter(
+            x=xs, y=ys, mode="lines+markers", connectgaps=False, marker={"size": 3},  # a lone step shows
+            name=f"replica {replica}",
+            line={"color": OKABE_ITO[replica % len(OKABE_ITO)], "width": 1.8,
+                  "dash": ("solid", "dash", "dot")[(replica // len(OKABE_ITO)) % 3]},
+            hovertemplate=f"replica {replica}<br>step %{{x}}<br>train loss %{{y:.4f}}"
+                          "<extra></extra>"))
+    base_layout(fig, title=title, x_title="Global step (outer round)",
+                y_title="Training loss (nats / token)", height=420)
+    _legend_below(fig)
+    return fig
 
 
 # --- the fault timeline -----------------------------------------------------------------------
@@ -431,8 +514,11 @@ def fault_timeline(*, faults: Sequence[Mapping[str, Any]], events: Sequence[Mapp
     fig.update_layout(barmode="overlay", bargap=0.3)
     _legend_below(fig)
     fig.update_xaxes(range=[0, last_step], type="linear", dtick=max(1, last_step // 20))
+    # automargin: the left margin grows to the longest replica label, never clipping it
     fig.update_yaxes(tickvals=list(range(n_replicas)), range=[n_replicas - 0.4, -0.8],
-                     ticktext=[f"replica {r}" for r in range(n_replicas)], showgrid=False)
+                     ticktext=[f"replica {r}" for r in range(n_replicas)], showgrid=False,
+                     automargin=True)
+    fig.update_xaxes(automargin=True)
     return fig
 
 

@@ -63,7 +63,8 @@ def table(robust: dict[str, Any] | None = None, *, missing: tuple[str, float] | 
 
 
 def summary(*, p: float, strategy: str, arm: str, steps: int = 20) -> dict[str, Any]:
-    """A run's summary.json: evals every 5 steps, bytes, and two faults when p > 0."""
+    """A run's summary.json: evals every 5 steps, bytes, timing, contributions, and two faults
+    (12 down stage-replica steps) when p > 0."""
     tokens_per_step = 4096
     lost = 0 if p == 0 or strategy != "drop" else int(p * 10) * tokens_per_step
     faults = [] if p == 0 else [
@@ -77,7 +78,15 @@ def summary(*, p: float, strategy: str, arm: str, steps: int = 20) -> dict[str, 
         "evals": [{"global_step": s, "tokens": s * tokens_per_step,
                    "val_loss": 4.0 - 0.1 * s + penalty * p * s / steps} for s in range(0, steps + 1, 5)],
         "bytes": {"boundary_forward": 2.0e6 * scale, "boundary_backward": 2.0e6 * scale,
-                  "upload": 3.0e5, "dense_upload_equivalent": 1.9e7},
+                  "boundary_rerouted": 0, "upload": 3.0e5, "dense_upload_equivalent": 1.9e7,
+                  "upload_per_global_step": 3.0e5 / steps},
+        # 4 replicas x 4 stages contribute each step; each down step misses one contribution
+        "contributions": {"made": 16 * steps - 6 * len(faults), "missed": 6 * len(faults),
+                          "rejected": 0},
+        "manifests_rejected": 0,
+        "skipped_outer_steps": 0,
+        "timing": {"inner_s": 31.5, "sync_s": 6.2, "eval_s": 3.1},
+        "wall_s": 44.0,
         "faults": faults,
         "tokens_budget": steps * tokens_per_step,
         "tokens_processed": steps * tokens_per_step - lost,
@@ -139,6 +148,21 @@ def events(*, strategy: str = "skip") -> list[dict[str, Any]]:
                          "replica": replica, "stage": stage, "detail": {}})
         rows.append({"id": f"rejoin:{start + 6}:{replica}:{stage}:0", "kind": "rejoin",
                      "global_step": start + 6, "replica": replica, "stage": stage, "detail": {}})
+    return rows
+
+
+def train_loss_metrics(*, steps: int = 20, replicas: int = 4) -> list[dict[str, Any]]:
+    """`train_loss` rows of every replica for global steps 0..steps-1; the replicas whose stage
+    is down in `summary(p>0)` (1 at steps 3-8, 3 at 10-15) stall while it is."""
+    down = {1: range(3, 9), 3: range(10, 16)}
+    rows = []
+    for replica in range(replicas):
+        loss = 4.2 + 0.03 * replica
+        for step in range(steps):
+            if step not in down.get(replica, ()):
+                loss -= 0.1
+            rows.append({"name": "train_loss", "global_step": step, "tokens": None,
+                         "replica": replica, "value": round(loss, 4)})
     return rows
 
 

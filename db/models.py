@@ -8,6 +8,8 @@ Key choices:
   use ON CONFLICT DO NOTHING against it. Events are unique per (run, client-supplied id).
 - Timestamps are timezone-aware UTC; JSON is JSONB on Postgres and JSON text on SQLite.
 - Relationships are `lazy="raise"`: every load is explicit in the data-access layer.
+- Sweeps and runs carry `tags` (a JSON list of strings, stored de-duplicated and sorted, never
+  NULL; filtered by JSONB containment on Postgres) and free-text `notes`.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from sqlalchemy import (
     Text,
     Uuid,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -52,6 +55,10 @@ JsonType = JSON().with_variant(JSONB(), "postgresql")
 BigIntPk = BigInteger().with_variant(Integer(), "sqlite")
 
 
+# '[]' as the database's own default too: rows written outside the ORM still get a list
+_NO_TAGS = text("'[]'")
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -68,6 +75,8 @@ class Sweep(Base):
     spec: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     prefect_flow_run_id: Mapped[str | None] = mapped_column(String(64))
+    tags: Mapped[list[str]] = mapped_column(JsonType, default=list, server_default=_NO_TAGS)
+    notes: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
                                                  onupdate=utcnow)
@@ -108,6 +117,8 @@ class Run(Base):
     owed_records: Mapped[int | None] = mapped_column(BigInteger)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     prefect_flow_run_id: Mapped[str | None] = mapped_column(String(64))
+    tags: Mapped[list[str]] = mapped_column(JsonType, default=list, server_default=_NO_TAGS)
+    notes: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
                                                  onupdate=utcnow)

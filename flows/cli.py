@@ -1,10 +1,11 @@
 """Command-line commands contributed by the `flows` package (registered by crucible.cli).
 
 - `crucible sweep [--preset smoke] [--arm ssn --arm mapl] [--strategy skip ...] [--p 0.1 ...]
-  [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--demo]`: runs the
-  `failure-sweep` flow on the embedded stack (ephemeral Prefect, SQLite registry, local store),
-  prints the robustness table (one-seed cells marked against the study's noise floor), a
-  pointer to docs/RESULTS.md and, as its last line, `report: PATH` (the offline dashboard).
+  [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--name N] [--tag T ...]
+  [--note TEXT] [--demo]`: runs the `failure-sweep` flow on the embedded stack (ephemeral
+  Prefect, SQLite registry, local store), prints the robustness table (one-seed cells marked
+  against the study's noise floor), a pointer to docs/RESULTS.md and, as its last line,
+  `report: PATH` (the offline dashboard).
   Exit 2 for a bad option (the message names it), 1 when some cells failed (the report is still
   written), 0 otherwise.
 - `crucible deploy [--pool NAME [--image IMG] [--source PATH]] [--limit N]`: creates the
@@ -24,6 +25,14 @@ __all__ = ["register", "sweep", "deploy"]
 _log = logging.getLogger(__name__)
 
 
+# the option that sets a SweepSpec field, for error messages (others keep the field's name)
+_OPTION_OF = {"tags": "--tag", "notes": "--note"}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "spec"
+
+
 def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
     """Build the SweepSpec (the demo grid when `demo`, options given explicitly win)."""
     from pydantic import ValidationError
@@ -36,7 +45,7 @@ def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
         return SweepSpec(**data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: "
+            f"{_OPTION_OF.get(str(err['loc'][0]) if err['loc'] else '', _loc(err['loc']))}: "
             f"{err['msg'].removeprefix('Value error, ')}" for err in exc.errors())
         typer.echo(f"error: {problems}", err=True)
         raise typer.Exit(code=2) from None
@@ -133,6 +142,11 @@ def sweep(
     max_concurrent: int | None = typer.Option(None, "--max-concurrent",
                                               help="most cells in flight at once"),
     name: str | None = typer.Option(None, "--name", help="the sweep's name"),
+    tags: list[str] = typer.Option([], "--tag", help="tag of the sweep and its runs "
+                                                     "(repeatable; 1-64 characters from "
+                                                     "A-Za-z0-9._:/+=-); also Prefect tag "
+                                                     "tag:<t> of its flow runs"),
+    note: str | None = typer.Option(None, "--note", help="free-text notes on the sweep"),
     demo: bool = typer.Option(False, "--demo", help="the demo grid: 2 codecs x 2 strategies x "
                                                     "2 failure rates + baselines, smoke preset"),
     work_dir: Path = typer.Option(Path("crucible-work"), "--work-dir",
@@ -154,7 +168,7 @@ def sweep(
         "preset": preset, "arms": arms, "strategies": strategies, "failure_probabilities": ps,
         "seeds": seeds, "duration": duration, "global_steps": global_steps,
         "overrides": overrides, "store_url": store, "max_concurrent_runs": max_concurrent,
-        "name": name})
+        "name": name, "tags": tags, "notes": note})
     from crucible.config import ConfigError
     from flows.embedded import run_sweep_embedded
 

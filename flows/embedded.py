@@ -178,7 +178,7 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
         outcome = state.result(raise_on_failure=False) if state.is_completed() else None
         with ApiClient(registry.api_url, registry.token) as client:
             sweep_id = outcome["sweep_id"] if outcome else find_sweep(
-                client, spec.name, spec.model_dump(mode="json"))
+                client, spec.name, spec.identity())
             if sweep_id is None:
                 state.result()          # re-raises why the sweep could not even start
                 raise RuntimeError("the sweep flow failed before registering the sweep")

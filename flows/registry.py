@@ -1,6 +1,7 @@
 """The flows' only door to the registry: a client and a metric/event callback built from settings.
 
-Kept in one place so the flows do not repeat how `crucible.reporting` is constructed.
+Kept in one place so the flows do not repeat how `crucible.reporting` is constructed, nor where
+the dashboards live.
 """
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any
 from crucible.events import Callback
 from flows.settings import FlowSettings
 
-__all__ = ["make_client", "make_callback"]
+__all__ = ["make_client", "make_callback", "run_page", "sweep_page"]
+
+# where the API serves the dashboards (dashboards.routes; flows do not import the dashboards)
+_SWEEP_PATH = "/dashboards/sweeps/{sweep_id}"
+_RUN_PATH = "/dashboards/runs/{run_id}"
 
 
 def make_client(settings: FlowSettings) -> Any:
@@ -25,3 +30,13 @@ def make_callback(settings: FlowSettings, run_id: str) -> Callback:
     from crucible.reporting import ApiCallback
 
     return ApiCallback(make_client(settings), run_id, spool_dir=settings.spool_root)
+
+
+def sweep_page(settings: FlowSettings, sweep_id: str) -> str:
+    """The browser URL of sweep `sweep_id`'s dashboard page."""
+    return settings.dashboard_base + _SWEEP_PATH.format(sweep_id=sweep_id)
+
+
+def run_page(settings: FlowSettings, run_id: str) -> str:
+    """The browser URL of run `run_id`'s dashboard page."""
+    return settings.dashboard_base + _RUN_PATH.format(run_id=run_id)

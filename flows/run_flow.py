@@ -2,7 +2,8 @@
 
 Recipe: resolve the config (preset + overrides) -> replay what earlier runs left in the spools
 -> register the run (or reuse the record a sweep or an earlier attempt made; a final state an
-earlier attempt left in the spools is set aside first) -> train while holding a GPU slot, with
+earlier attempt left in the spools is set aside first) -> post a link to the run's dashboard page
+as a Prefect artifact -> train while holding a GPU slot, with
 the registry client as the metric/event callback and checkpoints in the configured store -> mark
 the run completed with its results, or failed with the reason.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as runtime_flow_run
 
@@ -47,6 +49,7 @@ from crucible.presets import get_preset
 from crucible.reporting import (
     ApiUnavailable,
     RecordsOwed,
+    final_changes,
     record_finish,
     replay_spools,
     supersede_finish,
@@ -54,7 +57,7 @@ from crucible.reporting import (
 from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
 from flows.gpu import gpu_slot, release_slots
 from flows.identity import code_version, config_fingerprint
-from flows.registry import make_callback, make_client
+from flows.registry import make_callback, make_client, run_page
 from flows.settings import FlowSettings
 
 __all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES"]
@@ -230,35 +233,10 @@ def finish_run(run_id: str, settings: FlowSettings, summary: dict[str, Any] | No
     Raises `RecordsOwed` (transient, so the task is retried) while records are still owed or
     the registry cannot be reached; the final state then waits in the spool for the next replay.
     """
-    if summary is None:
-        changes: dict[str, Any] = {"status": "failed", "status_reason": reason}
-    else:
-        changes = {"status": "completed", "status_reason": None,
-                   "initial_val_loss": summary.get("initial_val_loss"),
-                   "final_val_loss": summary.get("final_val_loss"),
-                   "tokens_budget": summary.get("tokens_budget"),
-                   "tokens_processed": summary.get("tokens_processed"),
-                   "summary": _json_safe(summary)}
     with make_client(settings) as client:
-        record_finish(client, settings.spool_root, run_id, changes,
+        record_finish(client, settings.spool_root, run_id,
+                      final_changes(summary=summary, reason=reason),
                       timeout_s=settings.replay_timeout_s)
-
-
-def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
-    """The summary as the registry stores it (non-finite floats become None: JSON has none)."""
-    import json
-    import math
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {str(k): clean(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [clean(v) for v in value]
-        return value
-
-    return json.loads(json.dumps(clean(summary), default=str))
 
 
 _FINAL = ("completed", "failed", "cancelled")
@@ -338,6 +316,10 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
                             settings.s3_endpoint_url)
     drain_spools(settings)
     run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")
+    create_link_artifact(link=run_page(settings, run_id), link_text=f"Run {run_id[:8]}",
+                         key=f"run-{run_id[:8]}-dashboard".lower(),
+                         description="This run's dashboard page (loss curves, fault timeline), "
+                                     "served by the Crucible API.")
     out_dir = settings.work_dir.resolve() / "runs" / run_id
     try:
         summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps)

@@ -10,6 +10,9 @@ depend on the mitigation strategy (nothing fails, so nothing is mitigated), so i
 (arm, seed), shared by every strategy of that arm; its strategy is pinned to `BASELINE_STRATEGY`
 so that its resolved config, and therefore its fingerprint, is the same however the sweep lists
 its strategies.
+
+`tags` and `notes` annotate a sweep without changing what it runs: they are left out of its
+`identity()`, so re-running a sweep with other tags continues it (and adds the tags).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "Cell", "expand_grid",
-           "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "DEMO_SPEC"]
+           "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "ANNOTATIONS", "DEMO_SPEC"]
 
 Arm = Literal["none", "ssn", "mapl"]
 StrategyName = Literal["skip", "drop", "drop_extend", "reroute"]
@@ -29,6 +32,8 @@ ARMS: tuple[str, ...] = get_args(Arm)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
 BASELINE_STRATEGY = "skip"
+# fields that describe a sweep without changing what it runs (SweepSpec.identity)
+ANNOTATIONS = ("tags", "notes")
 
 
 def _check_choices(values: Any, allowed: tuple[str, ...], what: str) -> Any:
@@ -90,6 +95,14 @@ class SweepSpec(BaseModel):
     use_deployment: bool = Field(
         False, description="Start each cell as a run of the `train-run` deployment (spreads the "
                            "sweep over every worker of its pool) instead of inside this flow run.")
+    tags: list[str] = Field(
+        default_factory=list,
+        description="Tags of the sweep and its runs in the registry (filter with ?tag=), also "
+                    "set as Prefect tags `tag:<t>` of its flow runs; each 1-64 characters from "
+                    "A-Za-z0-9._:/+=-, e.g. baseline or paper/fig3.")
+    notes: str | None = Field(
+        None, max_length=10_000,
+        description="Free-text notes on the sweep, shown on its dashboard page.")
 
     @field_validator("arms", mode="before")
     @classmethod
@@ -142,6 +155,20 @@ class SweepSpec(BaseModel):
         parse_store_url(value, field="store_url")
         return value.rstrip("/")
 
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        from crucible.tags import check_tags  # the rule REST and the CLI apply too
+
+        return check_tags(value, field="tag")
+
+    @field_validator("notes")
+    @classmethod
+    def _notes(cls, value: str | None) -> str | None:
+        from crucible.tags import check_notes
+
+        return check_notes(value, field="notes")
+
     @model_validator(mode="after")
     def _non_empty_grid(self) -> SweepSpec:
         self.arms = _dedupe(self.arms)
@@ -154,6 +181,11 @@ class SweepSpec(BaseModel):
     def cells(self) -> list[Cell]:
         """The grid, baselines first (see `expand_grid`)."""
         return expand_grid(self)
+
+    def identity(self) -> dict[str, Any]:
+        """The spec as JSON without its annotations (`ANNOTATIONS`): what makes two sweeps the
+        same sweep, so a re-run with other tags or notes continues the one it re-runs."""
+        return self.model_dump(mode="json", exclude=set(ANNOTATIONS))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,19 @@
 """The `failure-sweep` flow: a grid of `train-run`s compared against their p = 0 baselines.
 
 Recipe: resolve every cell's config (a bad one fails the sweep before anything is written) ->
-register the sweep (or continue the one with the same name and spec) and every cell's run ->
-run the cells, at most `max_concurrent_runs` at a time, in this flow run or as runs of the
-`train-run` deployment (each cell also waits for a GPU slot on its host) -> post the robustness
-table, a link to the dashboard and a live progress bar as Prefect artifacts.
+register the sweep (or continue the one with the same name and spec: tags and notes aside, see
+`SweepSpec.identity`) and every cell's run, with the sweep's tags -> post a link to the sweep's
+dashboard page -> run the cells, at most `max_concurrent_runs` at a time, in this flow run or as
+runs of the `train-run` deployment (each cell also waits for a GPU slot on its host), with a live
+progress bar -> post the robustness table (its columns are the REST names of
+`GET /api/v1/sweeps/{id}/robustness`) as Prefect artifacts.
+
+Names in Prefect: the sweep's flow run is named after the sweep (`spec.name`, also for a run
+started from the UI's form); each cell's flow run, in this process or of the deployment, is named
+`<sweep> · <cell label>` (as is its run in the registry) and tagged `sweep:<name>`,
+`sweep-id:<first 8 of the sweep id>`, `cell:<label>`, `arm:<arm>`, `strategy:<strategy or
+baseline>`, `p:<p>`, plus `tag:<t>` for each of the sweep's tags, so the Prefect UI's runs list
+filters by sweep or cell. The sweep's own flow run gets the `sweep:`, `sweep-id:` and `tag:` tags.
 
 Re-running a sweep skips every cell whose run already completed with the same resolved config
 (fingerprint) and code version, and resumes the others from their checkpoints.
@@ -26,7 +35,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_client, get_run_logger, task
+from prefect import tags as prefect_tags
 from prefect.artifacts import (
     create_link_artifact,
     create_progress_artifact,
@@ -34,25 +44,30 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
-from flows.registry import make_client
+from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
-from flows.spec import Cell, SweepSpec
+from flows.spec import ANNOTATIONS, Cell, SweepSpec
 
-__all__ = ["failure_sweep", "find_sweep", "TRAIN_RUN_DEPLOYMENT", "robustness_rows"]
+__all__ = ["failure_sweep", "find_sweep", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
+           "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
 
 _log = logging.getLogger(__name__)
 
 TRAIN_RUN_DEPLOYMENT = "train-run/train-run"
-# the API serves the sweep dashboard here (dashboards.routes.SWEEP_PATH; flows do not import
-# the dashboards package)
-_DASHBOARD_PATH = "/dashboards/sweeps/{sweep_id}"
+_MAX_RUN_NAME = 200         # api.schemas.RunCreate.name
+_NAME_JOIN = " · "
+# the robustness table artifact's columns: the REST names (api.schemas.RobustnessItem) without
+# the per-seed lists, so the artifact, the API and the dashboards' CSVs agree
+ROBUSTNESS_COLUMNS = ("compression", "strategy", "duration", "p", "mean_pct", "ci_low_pct",
+                      "ci_high_pct", "n_seeds")
 
 
 @dataclass
@@ -98,12 +113,17 @@ def register_sweep(spec: SweepSpec, planned: list[_Planned],
 
 def _register(client: Any, spec: SweepSpec,
               planned: list[_Planned]) -> tuple[str, dict[str, tuple[str, bool]]]:
-    spec_json = spec.model_dump(mode="json")
-    sweep_id = find_sweep(client, spec.name, spec_json)
+    tags = list(spec.tags)
+    sweep_id = find_sweep(client, spec.name, spec.identity())
     if sweep_id is None:
-        sweep_id = str(client.create_sweep(spec.name, spec_json)["id"])
+        sweep_id = str(client.create_sweep(spec.name, spec.model_dump(mode="json"),
+                                           tags=tags, notes=spec.notes)["id"])
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
-    client.update_sweep(sweep_id, status="running", prefect_flow_run_id=flow_run_id)
+    # a re-run continues the sweep: its tags are added, its notes (if any) replace the old ones
+    annotations = {**({"add_tags": tags} if tags else {}),
+                   **({"notes": spec.notes} if spec.notes else {})}
+    client.update_sweep(sweep_id, status="running", prefect_flow_run_id=flow_run_id,
+                        **annotations)
     version = code_version()
     known = {run["config_hash"]: run for run in _items(client.list_runs(sweep_id=sweep_id))
              if run.get("code_version") == version}
@@ -112,43 +132,90 @@ def _register(client: Any, spec: SweepSpec,
         run = known.get(item.fingerprint)
         if run is None:
             run = client.create_run(config=item.config.to_dict(), sweep_id=sweep_id,
-                                    config_hash=item.fingerprint, code_version=version)
+                                    name=cell_run_name(spec, item.cell),
+                                    config_hash=item.fingerprint, code_version=version,
+                                    tags=tags)
+        elif not set(tags) <= set(run.get("tags") or []):
+            client.update_run(str(run["id"]), add_tags=tags)
         records[item.fingerprint] = (str(run["id"]), run.get("status") == "completed")
     return sweep_id, records
 
 
-def find_sweep(client: Any, name: str, spec_json: dict[str, Any]) -> str | None:
-    """The newest sweep with this exact name and spec, so a re-run continues it."""
+def find_sweep(client: Any, name: str, identity: dict[str, Any]) -> str | None:
+    """The newest sweep with this exact name and spec identity (`SweepSpec.identity()`: tags
+    and notes aside), so a re-run continues it."""
     found, cursor = None, None
-    while True:  # sweeps come oldest first, keyset-paginated
-        page = client.request("GET", "/api/v1/sweeps", params={"limit": 100, "cursor": cursor})
+    while True:  # sweeps come oldest first, keyset-paginated; `name` keeps those containing it
+        page = client.request("GET", "/api/v1/sweeps",
+                              params={"limit": 100, "cursor": cursor, "name": name})
         for sweep in page["items"]:
-            if sweep.get("name") == name and sweep.get("spec") == spec_json:
+            stored = {k: v for k, v in (sweep.get("spec") or {}).items()
+                      if k not in ANNOTATIONS}
+            if sweep.get("name") == name and stored == identity:
                 found = str(sweep["id"])
         cursor = page.get("next_cursor")
         if cursor is None:
             return found
 
 
+def cell_run_name(spec: SweepSpec, cell: Cell) -> str:
+    """The name of a cell's Prefect flow run and registry run: `<sweep> · <cell label>`, the
+    sweep's name shortened (ending in "…") where the whole would pass the registry's 200
+    characters for a run's name."""
+    room = _MAX_RUN_NAME - len(_NAME_JOIN) - len(cell.label)
+    sweep = spec.name if len(spec.name) <= room else spec.name[:room - 1] + "…"
+    return f"{sweep}{_NAME_JOIN}{cell.label}"
+
+
+def cell_tags(spec: SweepSpec, sweep_id: str, cell: Cell) -> list[str]:
+    """The Prefect tags of a cell's flow run (module docstring). Prefect 3 puts no rule on a
+    tag's characters or length; these stay on one line as the sweep's name does."""
+    return [f"sweep:{spec.name}", f"sweep-id:{sweep_id[:8]}", f"cell:{cell.label}",
+            f"arm:{cell.arm}", f"strategy:{cell.strategy or 'baseline'}", f"p:{cell.p:g}",
+            *(f"tag:{tag}" for tag in spec.tags)]
+
+
+def _sweep_tags(spec: SweepSpec, sweep_id: str) -> list[str]:
+    return [f"sweep:{spec.name}", f"sweep-id:{sweep_id[:8]}", *(f"tag:{t}" for t in spec.tags)]
+
+
+def _sweep_run_name() -> str:
+    """The sweep flow run's name: its sweep's (`flow_run_name` runs before the flow body, with
+    the validated parameters, also for a deployment run started from the UI's form)."""
+    context = FlowRunContext.get()
+    spec = (context.parameters if context else {}).get("spec")
+    if isinstance(spec, SweepSpec):
+        return spec.name
+    if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+        return spec["name"]
+    return SweepSpec().name
+
+
 @task(name="run-cell", cache_policy=NO_CACHE)
 def run_cell(label: str, preset: str, overrides: list[str], sweep_id: str, run_id: str,
-             store_url: str | None, use_deployment: bool) -> dict[str, Any]:
-    """Run one cell to its end; returns {run_id, status, reason} and never raises for a failed
-    run (the run flow has already retried what was worth retrying and recorded the reason)."""
+             store_url: str | None, use_deployment: bool, *, flow_run_name: str | None = None,
+             tags: list[str] | None = None) -> dict[str, Any]:
+    """Run one cell to its end in a flow run named `flow_run_name` (default: `label`) with the
+    Prefect `tags`; returns {run_id, status, reason} and never raises for a failed run (the run
+    flow has already retried what was worth retrying and recorded the reason)."""
     parameters = {"preset": preset, "overrides": overrides, "sweep_id": sweep_id,
                   "run_id": run_id, "store_url": store_url}
+    name = flow_run_name or label
     if use_deployment:
         from prefect.deployments import run_deployment
 
         flow_run = run_deployment(TRAIN_RUN_DEPLOYMENT, parameters=parameters, timeout=None,
-                                  flow_run_name=f"{label}")
+                                  flow_run_name=name, tags=tags or [])
         ok = flow_run.state is not None and flow_run.state.is_completed()
         reason = None if ok else (flow_run.state.message if flow_run.state else "no state")
         cancelled = flow_run.state is not None and flow_run.state.is_cancelled()
         status = "completed" if ok else "cancelled" if cancelled else "failed"
         return {"run_id": run_id, "status": status, "reason": reason}
     try:
-        return train_run.with_options(flow_run_name=label)(**parameters)
+        # a subflow run takes the tags of its context; a callable name is not a format template
+        # (a sweep named "exp{1}" stays as it is)
+        with prefect_tags(*(tags or [])):
+            return train_run.with_options(flow_run_name=lambda: name)(**parameters)
     except Exception as exc:  # recorded in the registry by the run flow; the sweep goes on
         get_run_logger().warning("cell %s failed: %s", label, describe(exc))
         return {"run_id": run_id, "status": "failed", "reason": describe(exc)}
@@ -167,7 +234,8 @@ def _run_cells(spec: SweepSpec, sweep_id: str, todo: list[_Planned], settings: F
             item = queue.pop(0)
             in_flight.append(run_cell.with_options(task_run_name=f"cell {item.cell.label}").submit(
                 item.cell.label, spec.preset, item.overrides, sweep_id, item.run_id, store,
-                spec.use_deployment))
+                spec.use_deployment, flow_run_name=cell_run_name(spec, item.cell),
+                tags=cell_tags(spec, sweep_id, item.cell)))
         finished = next(as_completed(in_flight))
         in_flight.remove(finished)
         result = finished.result()
@@ -177,21 +245,20 @@ def _run_cells(spec: SweepSpec, sweep_id: str, todo: list[_Planned], settings: F
 
 
 def robustness_rows(robustness: dict[str, Any]) -> list[dict[str, Any]]:
-    """The robustness summary as table rows: one per arm x strategy x p > 0 (a baseline's
-    increase against itself is 0 by definition)."""
+    """The robustness summary (`GET /api/v1/sweeps/{id}/robustness`) as table rows with the
+    REST field names (`ROBUSTNESS_COLUMNS`): one per arm x strategy x p > 0 (a baseline's
+    increase against itself is 0 by definition), percentages rounded to 3 decimals."""
+    def pct(value: float | None) -> float | None:
+        return None if value is None else round(value, 3)
+
     rows = []
     for item in robustness.get("items", []):
         if item["p"] == 0:
             continue
-        rows.append({
-            "arm": item["compression"], "strategy": item["strategy"], "p": item["p"],
-            "duration": item["duration"],
-            "loss_increase_pct": round(item["mean_pct"], 3),
-            "ci95_low_pct": None if item["ci_low_pct"] is None else round(item["ci_low_pct"], 3),
-            "ci95_high_pct": None if item["ci_high_pct"] is None else round(item["ci_high_pct"], 3),
-            "seeds": item["n_seeds"],
-        })
-    return sorted(rows, key=lambda r: (r["arm"], r["strategy"], r["p"]))
+        row = {column: item[column] for column in ROBUSTNESS_COLUMNS}
+        rows.append({**row, "mean_pct": pct(row["mean_pct"]),
+                     "ci_low_pct": pct(row["ci_low_pct"]), "ci_high_pct": pct(row["ci_high_pct"])})
+    return sorted(rows, key=lambda r: (r["compression"], r["strategy"], r["p"]))
 
 
 def _artifact_key(sweep_id: str, what: str) -> str:
@@ -242,8 +309,9 @@ def _on_failed(flow: Any, flow_run: Any, state: Any) -> None:
     _end_sweep(flow_run, state, status="failed", lead="sweep failed", cells=False)
 
 
-@flow(name="failure-sweep", log_prints=False, validate_parameters=True,
-      on_cancellation=[_on_cancelled], on_crashed=[_on_crashed], on_failure=[_on_failed])
+@flow(name="failure-sweep", flow_run_name=_sweep_run_name, log_prints=False,
+      validate_parameters=True, on_cancellation=[_on_cancelled], on_crashed=[_on_crashed],
+      on_failure=[_on_failed])
 def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
     """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
 
@@ -261,6 +329,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     todo = [item for item in planned if not item.done]
     skipped = len(planned) - len(todo)
     logger.info("sweep %s: %d cells, %d already completed", sweep_id, len(planned), skipped)
+    _tag_flow_run(_sweep_tags(spec, sweep_id))
+    _post_dashboard_link(sweep_id, spec, settings)
 
     progress_id = create_progress_artifact(
         progress=100.0 * skipped / len(planned), key=_artifact_key(sweep_id, "progress"),
@@ -304,17 +374,32 @@ def _registry_status(results: list[dict[str, Any]],
                 {**r, "status": client.get_run(r["run_id"])["status"]} for r in results]
 
 
+def _tag_flow_run(tags: list[str]) -> None:
+    """Add `tags` to this flow run (its tags are fixed when it is created, before the sweep
+    it runs is known)."""
+    flow_run_id = runtime_flow_run.id
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as prefect:
+        current = prefect.read_flow_run(flow_run_id).tags
+        prefect.update_flow_run(flow_run_id, tags=sorted({*current, *tags}))
+
+
+def _post_dashboard_link(sweep_id: str, spec: SweepSpec, settings: FlowSettings) -> None:
+    """Post the link to the sweep's dashboard page, live from the first cell on."""
+    create_link_artifact(
+        link=sweep_page(settings, sweep_id), link_text=f"Dashboard of {spec.name}",
+        key=_artifact_key(sweep_id, "dashboard"),
+        description="Live robustness dashboard of this sweep, served by the Crucible API.")
+
+
 def _publish(sweep_id: str, spec: SweepSpec, settings: FlowSettings) -> list[dict[str, Any]]:
-    """Post the robustness table and the dashboard link; returns the table rows."""
+    """Post the robustness table; returns its rows."""
     with make_client(settings) as client:
         rows = robustness_rows(client.robustness(sweep_id))
     create_table_artifact(
         table=rows, key=_artifact_key(sweep_id, "robustness"),
         description=f"Sweep {spec.name}: mean relative validation-loss increase (%) against "
-                    "each arm's own p = 0 baseline, 95% interval over seeds.")
-    create_link_artifact(
-        link=f"{settings.dashboard_base}{_DASHBOARD_PATH.format(sweep_id=sweep_id)}",
-        link_text=f"Dashboard of {spec.name}",
-        key=_artifact_key(sweep_id, "dashboard"),
-        description="Robustness dashboard served by the Crucible API.")
+                    "each arm's own p = 0 baseline (mean_pct), 95% interval over seeds "
+                    "(ci_low_pct, ci_high_pct); the columns are the REST API's names.")
     return rows

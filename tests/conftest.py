@@ -24,3 +24,5 @@ pytest_plugins = [
 def _isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep every test's working folder private; the corpus cache stays the user's."""
     monkeypatch.setenv("CRUCIBLE_LOG_LEVEL", "WARNING")
+    # a user's shell (`eval "$(infra/stack.sh env)"`) must not make every CLI test report
+    monkeypatch.delenv("CRUCIBLE_API_URL", raising=False)

@@ -1,16 +1,20 @@
-"""Run routes: create, list with filters, get, update; metric and event ingestion and reads."""
+"""Run routes: create, list with filters, get, update; metric and event ingestion and reads.
+
+GET /runs takes `tag=` (runs carrying it) and `fields=` (only those fields of each item); PATCH
+edits tags with `add_tags`/`remove_tags` atomically (409 past 32 tags).
+"""
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
-from api.routes import KnownQueryDep
+from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
 from api.schemas import (
     EVENT_KIND_HELP,
     BatchResult,
@@ -23,6 +27,7 @@ from api.schemas import (
     MetricPublic,
     Page,
     RunCreate,
+    RunFields,
     RunPublic,
     RunStatus,
     RunUpdate,
@@ -37,7 +42,9 @@ RunCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, u
 StepCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((int, int)),
                                          description=_CURSOR_HELP)]
 SafeQuery = Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9._:+/=-]*$")]
-_NOT_NULLABLE = ("status",)
+_NOT_NULLABLE = ("status", "tags")
+RunItems = Page[RunPublic | RunFields]  # type: ignore[valid-type]
+RunFieldsQuery = FieldsQuery(RunPublic)
 
 
 @router.post("", status_code=201, response_model=RunPublic, dependencies=[WriteAuthDep],
@@ -45,27 +52,32 @@ _NOT_NULLABLE = ("status",)
 def create_run(body: RunCreate, session: SessionDep) -> RunPublic:
     """Register a run from its config (status pending); 404 for an unknown sweep_id."""
     run = crud.create_run(session, config=body.config, sweep_id=body.sweep_id, name=body.name,
-                          config_hash=body.config_hash, code_version=body.code_version)
+                          config_hash=body.config_hash, code_version=body.code_version,
+                          tags=body.tags, notes=body.notes)
     return RunPublic.model_validate(run)
 
 
-@router.get("", response_model=Page[RunPublic], dependencies=[ReadAuthDep],
+@router.get("", response_model=RunItems, dependencies=[ReadAuthDep],
             responses=read_responses())
 def list_runs(session: SessionDep, sweep_id: uuid.UUID | None = None,
               compression: Compression | None = None, strategy: Strategy | None = None,
               p: Annotated[float | None, Query(ge=0, le=1)] = None,
               seed: Annotated[int | None, Query(ge=0, le=2**62)] = None,
               status: RunStatus | None = None, config_hash: SafeQuery = None,
-              code_version: SafeQuery = None,
+              code_version: SafeQuery = None, tag: TagQuery = None,
+              fields: RunFieldsQuery = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-              cursor: RunCursor = None) -> Page[RunPublic]:
-    """Runs matching every given filter, oldest first, keyset-paginated."""
+              cursor: RunCursor = None) -> Any:
+    """Runs matching every given filter, oldest first, keyset-paginated. Items are RunPublic,
+    or with `fields=` objects of only those fields (RunFields)."""
+    selection = selected_fields(fields, RunPublic)
     rows, next_cursor = crud.list_runs(
         session, sweep_id=sweep_id, compression=compression, strategy=strategy, p=p, seed=seed,
-        status=status, config_hash=config_hash, code_version=code_version, limit=limit,
+        status=status, config_hash=config_hash, code_version=code_version, tag=tag, limit=limit,
         cursor=cursor)
-    return Page[RunPublic](items=[RunPublic.model_validate(r) for r in rows],
-                           next_cursor=next_cursor)
+    runs = [RunPublic.model_validate(r) for r in rows]
+    items = runs if selection is None else [r.model_dump(include=selection) for r in runs]
+    return RunItems(items=items, next_cursor=next_cursor)
 
 
 @router.get("/{run_id}", response_model=RunPublic, dependencies=[ReadAuthDep],
@@ -76,9 +88,11 @@ def get_run(run_id: uuid.UUID, session: SessionDep) -> RunPublic:
 
 
 @router.patch("/{run_id}", response_model=RunPublic, dependencies=[WriteAuthDep],
-              responses=write_responses(404))
+              responses=write_responses(404, 409))
 def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPublic:
-    """Update a run's status and results (fields left out are unchanged)."""
+    """Update a run's status, results, tags and notes (fields left out are unchanged).
+    `tags` replaces the list; `add_tags`/`remove_tags` edit it atomically (not with `tags`;
+    409 when it would pass 32 tags); `notes: null` clears the notes."""
     changes = body.model_dump(exclude_unset=True)
     for key in _NOT_NULLABLE:
         if key in changes and changes[key] is None:

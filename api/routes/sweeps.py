@@ -1,24 +1,31 @@
-"""Sweep routes: create, list, get, update, and the robustness summary and table."""
+"""Sweep routes: create, list, get, update, and the robustness summary and table.
+
+`/sweeps/{sweep_ref}` takes a sweep's UUID or its exact name (the newest sweep of that name;
+`api.crud.resolve_sweep`). GET /sweeps takes `tag=` and `fields=` as GET /runs does.
+"""
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
+from pydantic import AfterValidator
 
 from api import crud
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
-from api.routes import KnownQueryDep
+from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
 from api.schemas import (
     Page,
     RobustnessPublic,
     SweepCreate,
+    SweepFields,
     SweepPublic,
     SweepStatus,
     SweepUpdate,
     TablePublic,
+    check_text,
 )
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"], dependencies=[KnownQueryDep])
@@ -30,57 +37,74 @@ Cursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid
 NameQuery = Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$",
                                         description="Only sweeps whose name contains this text "
                                                     "(case-insensitive substring match)")]
+SweepRef = Annotated[str, Path(
+    min_length=1, max_length=200, pattern=r"^[^\x00]*$",
+    description="the sweep's id, or its exact name (the newest sweep of that name); a name "
+                "with '/' cannot be given here, use the id"), AfterValidator(check_text)]
+SweepItems = Page[SweepPublic | SweepFields]  # type: ignore[valid-type]
+SweepFieldsQuery = FieldsQuery(SweepPublic)
 
 
 @router.post("", status_code=201, response_model=SweepPublic, dependencies=[WriteAuthDep],
              responses=write_responses())
 def create_sweep(body: SweepCreate, session: SessionDep) -> SweepPublic:
     """Register a sweep (status pending)."""
-    sweep = crud.create_sweep(session, name=body.name, spec=body.spec)
+    sweep = crud.create_sweep(session, name=body.name, spec=body.spec, tags=body.tags,
+                              notes=body.notes)
     return SweepPublic.model_validate(sweep)
 
 
-@router.get("", response_model=Page[SweepPublic], dependencies=[ReadAuthDep],
+@router.get("", response_model=SweepItems, dependencies=[ReadAuthDep],
             responses=read_responses())
 def list_sweeps(session: SessionDep, status: SweepStatus | None = None, name: NameQuery = None,
-                limit: Limit = 100, cursor: Cursor = None) -> Page[SweepPublic]:
-    """Sweeps, oldest first, keyset-paginated; `name` keeps those whose name contains it."""
-    rows, next_cursor = crud.list_sweeps(session, status=status, name=name, limit=limit,
+                tag: TagQuery = None, fields: SweepFieldsQuery = None,
+                limit: Limit = 100, cursor: Cursor = None) -> Any:
+    """Sweeps, oldest first, keyset-paginated; `name` keeps those whose name contains it, `tag`
+    those that carry it. Items are SweepPublic, or with `fields=` only those fields."""
+    selection = selected_fields(fields, SweepPublic)
+    rows, next_cursor = crud.list_sweeps(session, status=status, name=name, tag=tag, limit=limit,
                                          cursor=cursor)
-    return Page[SweepPublic](items=[SweepPublic.model_validate(r) for r in rows],
-                             next_cursor=next_cursor)
+    sweeps = [SweepPublic.model_validate(r) for r in rows]
+    items = sweeps if selection is None else [s.model_dump(include=selection) for s in sweeps]
+    return SweepItems(items=items, next_cursor=next_cursor)
 
 
-@router.get("/{sweep_id}", response_model=SweepPublic, dependencies=[ReadAuthDep],
+@router.get("/{sweep_ref}", response_model=SweepPublic, dependencies=[ReadAuthDep],
             responses=read_responses(404))
-def get_sweep(sweep_id: uuid.UUID, session: SessionDep) -> SweepPublic:
-    """One sweep; 404 when it does not exist."""
-    return SweepPublic.model_validate(crud.get_sweep(session, sweep_id=sweep_id))
+def get_sweep(sweep_ref: SweepRef, session: SessionDep) -> SweepPublic:
+    """One sweep, by id or exact name; 404 when none matches."""
+    return SweepPublic.model_validate(crud.resolve_sweep(session, sweep_ref))
 
 
-@router.patch("/{sweep_id}", response_model=SweepPublic, dependencies=[WriteAuthDep],
-              responses=write_responses(404))
-def update_sweep(sweep_id: uuid.UUID, body: SweepUpdate, session: SessionDep) -> SweepPublic:
-    """Change a sweep's status or Prefect flow-run id (fields left out are unchanged)."""
+@router.patch("/{sweep_ref}", response_model=SweepPublic, dependencies=[WriteAuthDep],
+              responses=write_responses(404, 409))
+def update_sweep(sweep_ref: SweepRef, body: SweepUpdate, session: SessionDep) -> SweepPublic:
+    """Change a sweep's status, Prefect flow-run id, tags or notes (fields left out are
+    unchanged). `tags` replaces the list; `add_tags`/`remove_tags` edit it atomically (not with
+    `tags`; 409 when it would pass 32 tags); `notes: null` clears the notes."""
     changes = body.model_dump(exclude_unset=True)
-    if changes.get("status", "") is None:
-        del changes["status"]  # status is not nullable; null means "leave as is"
-    sweep = crud.update_sweep(session, sweep_id=sweep_id, changes=changes)
-    return SweepPublic.model_validate(sweep)
+    for key in ("status", "tags"):  # not nullable; null means "leave as is"
+        if key in changes and changes[key] is None:
+            del changes[key]
+    sweep_id = crud.resolve_sweep(session, sweep_ref).id
+    return SweepPublic.model_validate(crud.update_sweep(session, sweep_id=sweep_id,
+                                                       changes=changes))
 
 
-@router.get("/{sweep_id}/robustness", response_model=RobustnessPublic,
+@router.get("/{sweep_ref}/robustness", response_model=RobustnessPublic,
             dependencies=[ReadAuthDep], responses=read_responses(404))
-def robustness(sweep_id: uuid.UUID, session: SessionDep) -> RobustnessPublic:
+def robustness(sweep_ref: SweepRef, session: SessionDep) -> RobustnessPublic:
     """Per arm x strategy x p: mean relative final-validation-loss increase over the arm's p = 0
     baseline (paired by seed), its 95% t-interval (null bounds with one seed), the seeds and the
     runs behind it; baselines that are missing; how many runs are still pending or running."""
+    sweep_id = crud.resolve_sweep(session, sweep_ref).id
     return RobustnessPublic.model_validate(crud.sweep_robustness(session, sweep_id=sweep_id))
 
 
-@router.get("/{sweep_id}/table", response_model=TablePublic, dependencies=[ReadAuthDep],
+@router.get("/{sweep_ref}/table", response_model=TablePublic, dependencies=[ReadAuthDep],
             responses=read_responses(404))
-def table(sweep_id: uuid.UUID, session: SessionDep) -> TablePublic:
+def table(sweep_ref: SweepRef, session: SessionDep) -> TablePublic:
     """The robustness summary as the blog's Table 1: one row per p, one column per
     "<compression>/<strategy>"."""
+    sweep_id = crud.resolve_sweep(session, sweep_ref).id
     return TablePublic.model_validate(crud.sweep_table(session, sweep_id=sweep_id))

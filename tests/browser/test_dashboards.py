@@ -23,7 +23,7 @@ from tests.fixtures.browser import serve_in_thread
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 SWEEP_FIGURES = ["fig-robustness", "fig-table", "fig-tokens", "fig-bytes"]
-RUN_FIGURES = ["fig-loss", "fig-faults"]
+RUN_FIGURES = ["fig-loss", "fig-train", "fig-faults"]
 _RENDERED_JS = """() => Array.from(document.querySelectorAll('[data-figure]')).map(sec => {
   const gd = sec.querySelector('.js-plotly-plot');
   return {id: sec.dataset.figure, data: gd && gd.data ? gd.data.length : 0,
@@ -47,7 +47,8 @@ def _post_results(client: httpx.Client, run_id: str, run: dict[str, Any]) -> Non
     client.patch(f"/api/v1/runs/{run_id}", json={"status": "completed", **results}
                  ).raise_for_status()
     client.post(f"/api/v1/runs/{run_id}/metrics:batch",
-                json={"items": sample.val_loss_metrics(run["summary"])}).raise_for_status()
+                json={"items": sample.val_loss_metrics(run["summary"])
+                      + sample.train_loss_metrics()}).raise_for_status()
     if run["p"] > 0:
         client.post(f"/api/v1/runs/{run_id}/events:batch",
                     json={"items": sample.events(strategy=run["strategy"])}).raise_for_status()
@@ -246,3 +247,55 @@ def test_report_command_writes_the_file_and_refuses_unknown_sweeps(
     result = runner.invoke(app, ["report", "--sweep", "nope", "--out", str(missing),
                                  "--database-url", api_server.database_url])
     assert result.exit_code == 2 and "not a UUID" in result.output
+
+
+# --- the fault timeline's labels and legend ----------------------------------------------------
+
+_BOXES_JS = """(id) => {
+  const gd = document.getElementById(id), svg = gd.querySelector('.main-svg');
+  const box = el => { const r = el.getBoundingClientRect();
+                      return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+  const all = sel => Array.from(gd.querySelectorAll(sel)).map(box);
+  return {svg: box(svg), labels: all('.ytick text, .xtick text, .g-xtitle text, .g-ytitle text'),
+          xtitle: all('.g-xtitle text')[0], legend: box(gd.querySelector('.legend')),
+          legendItems: Array.from(gd.querySelectorAll('.legend .traces')).length};
+}"""
+
+
+def _inside(inner: dict[str, float], outer: dict[str, float]) -> bool:
+    return (inner["left"] >= outer["left"] - 1 and inner["right"] <= outer["right"] + 1
+            and inner["top"] >= outer["top"] - 1 and inner["bottom"] <= outer["bottom"] + 1)
+
+
+@pytest.mark.parametrize("width", [1280, 720])
+def test_fault_timeline_labels_and_legend_are_never_clipped(
+        browser_page: Any, artifacts_dir: Path, width: int) -> None:
+    from dashboards import figures
+    from dashboards.pages._common import document, figure_html, inline_plotly_tag
+
+    replicas = 24
+    faults = [{"replica": r, "stage": r % 4, "start": r % 7, "duration": 5}
+              for r in range(replicas)]
+    kinds = ("bypass", "drop", "reroute", "contribution_missing", "contribution_rejected",
+             "rejoin")
+    events = [{"kind": kind, "global_step": r % 7 + 1, "replica": r, "stage": r % 4,
+               "detail": {"donor": (r + 1) % replicas} if kind == "reroute" else {}}
+              for r, kind in zip(range(replicas), kinds * 4, strict=True)]
+    fig = figures.fault_timeline(
+        faults=faults, events=events, replicas=replicas, global_steps=40,
+        strategy="an_unusually_long_mitigation_strategy_name_from_a_later_release")
+    out = artifacts_dir / f"dashboard-timeline-labels-{width}.html"
+    out.write_text(document("timeline", figure_html(fig, "fig-faults"), inline_plotly_tag()),
+                   encoding="utf-8")
+    page = browser_page.page
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(out.as_uri())
+    page.wait_for_function("document.querySelector('#fig-faults .legend') !== null")
+    boxes = page.evaluate(_BOXES_JS, "fig-faults")
+    assert boxes["legendItems"] == len([t for t in fig.data if t.showlegend is not False])
+    assert len(boxes["labels"]) > replicas
+    clipped = [label for label in boxes["labels"] if not _inside(label, boxes["svg"])]
+    assert clipped == [], clipped
+    assert _inside(boxes["legend"], boxes["svg"]), boxes
+    assert boxes["legend"]["top"] >= boxes["xtitle"]["bottom"], "legend overlaps the axis title"
+    _screenshot(browser_page, artifacts_dir / f"dashboard-timeline-labels-{width}.png")

@@ -1,6 +1,8 @@
 """The index page (/ and /dashboards) in a real headless Chromium, served by the real API over
-Postgres: it lists the sweeps and recent runs put in through the registry's HTTP API, its search
-and filters narrow both lists through a plain GET form, and its links lead to the pages."""
+Postgres: it lists the sweeps and recent runs put in through the registry's HTTP API (each run
+with its sweep, tags on both), its search and filters (tag included) narrow both lists through a
+plain GET form, its links lead to the pages, and a cancelled sweep reads as cancelled on the
+index and on its own page."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -23,25 +25,34 @@ def _config(*, compression: str, p: float, strategy: str = "skip") -> dict[str, 
             "pipeline": {"compression": compression}}
 
 
-def _seed(client: httpx.Client, *, name: str, compression: str, completed: int) -> str:
-    """A sweep of three runs of one arm (p = 0, 0.1, 0.2), the first `completed` of them done."""
-    sweep_id = client.post("/api/v1/sweeps", json={"name": name}).raise_for_status().json()["id"]
+def _seed(client: httpx.Client, *, name: str, compression: str, completed: int,
+          tags: tuple[str, ...] = (), status: str = "running") -> str:
+    """A sweep of three runs of one arm (p = 0, 0.1, 0.2), the first `completed` of them done
+    and the rest left as they are (pending) or, for a cancelled sweep, cancelled. The sweep
+    carries `tags`; its p = 0.1 run carries `tags` and "p10"."""
+    sweep_id = client.post("/api/v1/sweeps", json={"name": name, "tags": list(tags)}
+                           ).raise_for_status().json()["id"]
     for index, p in enumerate((0.0, 0.1, 0.2)):
         run = client.post("/api/v1/runs", json={
-            "sweep_id": sweep_id, "config": _config(compression=compression, p=p)})
+            "sweep_id": sweep_id, "config": _config(compression=compression, p=p),
+            "tags": [*tags, "p10"] if p == 0.1 else []})
         run_id = run.raise_for_status().json()["id"]
         if index < completed:
             client.patch(f"/api/v1/runs/{run_id}",
                          json={"status": "completed", "final_val_loss": 3.0 + p}
                          ).raise_for_status()
-    client.patch(f"/api/v1/sweeps/{sweep_id}", json={"status": "running"}).raise_for_status()
+        elif status == "cancelled":
+            client.patch(f"/api/v1/runs/{run_id}", json={"status": "cancelled"}
+                         ).raise_for_status()
+    client.patch(f"/api/v1/sweeps/{sweep_id}", json={"status": status}).raise_for_status()
     return sweep_id
 
 
 @pytest.fixture(scope="module")
 def served(pg_url: str) -> Iterator[tuple[str, dict[str, str]]]:
-    """The registry app under uvicorn, with two sweeps: "index ssn grid" (2/3 completed) and
-    "index mapl grid" (1/3). Returns (url, {sweep name: id})."""
+    """The registry app under uvicorn, with three sweeps: "index ssn grid" (2/3 completed,
+    tagged "index-paper"), "index mapl grid" (1/3) and "index stopped grid" (1/3, then cancelled).
+    Returns (url, {sweep name: id})."""
     from api.app import create_app
     from api.settings import Settings
 
@@ -50,9 +61,12 @@ def served(pg_url: str) -> Iterator[tuple[str, dict[str, str]]]:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
                           timeout=30) as client:
             ids = {"index ssn grid": _seed(client, name="index ssn grid", compression="ssn",
-                                           completed=2),
+                                           completed=2, tags=("index-paper",)),
                    "index mapl grid": _seed(client, name="index mapl grid", compression="mapl",
-                                            completed=1)}
+                                            completed=1),
+                   "index stopped grid": _seed(client, name="index stopped grid",
+                                               compression="mapl", completed=1,
+                                               status="cancelled")}
         yield url, ids
 
 
@@ -60,8 +74,13 @@ def _sweep_names(page: Any) -> list[str]:
     return page.locator("#sweeps tr td:first-child a").all_inner_texts()
 
 
+# recent-runs columns: select, run, sweep, arm, strategy, p, seed, preset, status, loss, tags
+def _run_column(page: Any, column: int) -> list[str]:
+    return page.locator(f"#recent-runs tr td:nth-child({column})").all_inner_texts()
+
+
 def _run_arms(page: Any) -> set[str]:
-    return set(page.locator("#recent-runs tr td:nth-child(2)").all_inner_texts())
+    return set(_run_column(page, 4))
 
 
 def test_index_lists_sweeps_and_runs_and_its_filters_narrow_them(
@@ -90,7 +109,7 @@ def test_index_lists_sweeps_and_runs_and_its_filters_narrow_them(
     page.wait_for_url("**/dashboards?*compression=ssn*")
     assert "index mapl grid" not in _sweep_names(page)
     assert "index ssn grid" in _sweep_names(page)
-    runs = page.locator("#recent-runs tr td:nth-child(4)").all_inner_texts()
+    runs = _run_column(page, 6)
     assert runs and set(runs) == {"10%"} and _run_arms(page) == {"SSN"}
 
     # links lead to the sweep's and the run's pages
@@ -101,6 +120,54 @@ def test_index_lists_sweeps_and_runs_and_its_filters_narrow_them(
     page.click("#recent-runs tr:nth-child(2) a")
     page.wait_for_url("**/dashboards/runs/*")
     assert page.locator("h1").inner_text().startswith("Run: SSN")
+    assert browser_page.errors == [], f"console errors: {browser_page.errors}"
+
+
+def test_index_shows_each_runs_sweep_and_tags_and_filters_by_tag(
+        served: tuple[str, dict[str, str]], browser_page: Any) -> None:
+    url, ids = served
+    page = browser_page.page
+    page.goto(f"{url}/")
+    ssn_row = page.locator("#sweeps tr", has_text="index ssn grid")
+    assert ssn_row.locator(".tag").all_inner_texts() == ["index-paper"]
+    tagged_run = page.locator("#recent-runs tr", has_text="p10").first
+    assert tagged_run.locator("td:nth-child(3)").inner_text() in {
+        "index ssn grid", "index mapl grid", "index stopped grid"}
+
+    # the tag filter keeps the objects that carry the tag: one sweep, one run
+    page.fill("input[name=tag]", "index-paper")
+    page.click("form.filters button[type=submit]")
+    page.wait_for_url("**/?*tag=index-paper*")
+    assert _sweep_names(page) == ["index ssn grid"]
+    assert _run_column(page, 3) == ["index ssn grid"] and _run_column(page, 6) == ["10%"]
+    assert page.locator("#recent-runs .tag").all_inner_texts() == ["index-paper", "p10"]
+
+    # the run's sweep column leads to its sweep's page
+    page.click("#recent-runs td:nth-child(3) a")
+    page.wait_for_url(f"**/dashboards/sweeps/{ids['index ssn grid']}")
+    assert page.locator("#sweep-tags .tag").all_inner_texts() == ["index-paper"]
+    assert browser_page.errors == [], f"console errors: {browser_page.errors}"
+
+
+def test_cancelled_sweep_reads_cancelled_on_the_index_and_its_page(
+        served: tuple[str, dict[str, str]], browser_page: Any, artifacts_dir: Path) -> None:
+    url, ids = served
+    page = browser_page.page
+    page.goto(f"{url}/?q=index+&status=cancelled")  # this module's sweeps, only cancelled
+    assert _sweep_names(page) == ["index stopped grid"]
+    status = page.locator("#sweeps tr", has_text="index stopped grid").locator("td:nth-child(2)")
+    assert status.inner_text() == "cancelled"
+    assert "status-cancelled" in (status.get_attribute("class") or "")
+    assert set(_run_column(page, 9)) == {"cancelled"} and len(_run_column(page, 9)) == 2
+
+    page.click("#sweeps a:text('index stopped grid')")
+    page.wait_for_url(f"**/dashboards/sweeps/{ids['index stopped grid']}")
+    assert page.locator("p.meta b").first.inner_text() == "cancelled"
+    assert "Cancelled." in page.locator(".banner.warn").inner_text()
+    assert "still running" not in page.locator("main").inner_text()
+    statuses = page.locator("#runs tr td.status-cancelled").all_inner_texts()
+    assert statuses == ["cancelled", "cancelled"]
+    page.screenshot(path=str(artifacts_dir / "dashboard-sweep-cancelled.png"), full_page=True)
     assert browser_page.errors == [], f"console errors: {browser_page.errors}"
 
 

@@ -56,14 +56,14 @@ def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None
     assert logged == {"skip": {"bypass"}, "drop": {"drop"}}
 
     rows = outcome["rows"]
-    assert {(r["arm"], r["strategy"], r["p"]) for r in rows} == cells
+    assert {(r["compression"], r["strategy"], r["p"]) for r in rows} == cells
     prefix = f"sweep-{outcome['sweep_id'][:8]}"
     artifacts = _artifacts(f"{prefix}-robustness")
     link = _artifacts(f"{prefix}-dashboard")
     progress = _artifacts(f"{prefix}-progress")
     assert len(artifacts) == 1 and artifacts[0].type == "table"
     table = artifacts[0].data if isinstance(artifacts[0].data, list) else json.loads(artifacts[0].data)
-    assert sorted((r["arm"], r["strategy"], r["p"]) for r in table) == sorted(cells)
+    assert sorted((r["compression"], r["strategy"], r["p"]) for r in table) == sorted(cells)
     assert link and outcome["sweep_id"] in str(link[0].data)
     assert progress and float(progress[0].data) == 100.0
 

@@ -104,6 +104,7 @@ def fuzzed_app(request, registry_app, pg_db):
 def test_api_agrees_with_its_schema_under_every_check(registry, fuzzed_app):
     sweep = registry.post("/api/v1/sweeps", json={"name": "fuzz"}).json()
     run = registry.post("/api/v1/runs", json={"sweep_id": sweep["id"], "config": {}}).json()
-    failures, phases = _failures(fuzzed_app, {"sweep_id": sweep["id"], "run_id": run["id"]})
+    # /sweeps/{sweep_ref} takes an id or a name: the real sweep by its name
+    failures, phases = _failures(fuzzed_app, {"sweep_ref": sweep["name"], "run_id": run["id"]})
     assert failures == []
     assert phases == {"examples", "coverage", "fuzzing", "stateful"}

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-import crucible.spool
+import crucible.spool_files
 from crucible.reporting import (
     ApiCallback,
     ApiClient,
@@ -250,7 +250,7 @@ def test_record_finish_outlasts_its_run_folder_being_removed(client, tmp_path, m
             os.rmdir(os.path.dirname(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(crucible.spool, "open", open_after_a_reporter_tidied, raising=False)
+    monkeypatch.setattr(crucible.spool_files, "open", open_after_a_reporter_tidied, raising=False)
     record_finish(client, tmp_path, run_id, _FINAL, timeout_s=30)
     assert removed and client.get_run(run_id)["status"] == "completed"
 

@@ -99,10 +99,14 @@ def test_rest_guide_examples_run_against_the_api(client: Any) -> None:
         "POST $CRUCIBLE_API/api/v1/runs/$RUN_ID/metrics:batch",
         "POST $CRUCIBLE_API/api/v1/runs/$RUN_ID/events:batch",
         "PATCH $CRUCIBLE_API/api/v1/runs/$RUN_ID",
+        "PATCH $CRUCIBLE_API/api/v1/runs/$RUN_ID", "PATCH $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID",
         "GET $CRUCIBLE_API/api/v1/runs", "GET $CRUCIBLE_API/api/v1/sweeps",
+        "GET $CRUCIBLE_API/api/v1/runs", "GET $CRUCIBLE_API/api/v1/runs",
+        "GET $CRUCIBLE_API/api/v1/sweeps",
         "GET $CRUCIBLE_API/api/v1/runs/$RUN_ID/metrics",
         "GET $CRUCIBLE_API/api/v1/runs/$RUN_ID/metrics",
         "GET $CRUCIBLE_API/api/v1/runs/$RUN_ID/events",
+        "GET $CRUCIBLE_API/api/v1/sweeps/rest%20guide%20sweep",
         "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/robustness",
         "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/table"]
     assert env["CURSOR"]

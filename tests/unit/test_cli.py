@@ -375,3 +375,63 @@ def test_resume_needs_a_folder_and_no_overwrite(tmp_path, args, needle):
     assert done.returncode == 2
     assert needle in _one_error_line(done)
     assert list(tmp_path.iterdir()) == []
+
+
+def _crucible_with(env_changes, *args, cwd=None):
+    """`crucible ARGS` with CRUCIBLE_API_URL / _TOKEN removed from the environment, then
+    `env_changes` applied."""
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CRUCIBLE_API_URL", "CRUCIBLE_API_TOKEN")}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={**env, **env_changes})
+
+
+def _nothing_listens() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (["--api", "ftp://registry"], {}, "--api (or CRUCIBLE_API_URL)='ftp://registry' must start "
+                                      "with http:// or https://"),
+    (["--api", "{down}"], {}, "cannot reach the registry at {down}"),
+    ([], {"CRUCIBLE_API_URL": "{down}"}, "cannot reach the registry at {down}"),
+    (["--api", "{down}", "--tag", "two words"], {}, "--tag 'two words' is not a valid tag"),
+    (["--tag", "fig3"], {}, "--tag and --note are recorded in the registry: give --api URL"),
+    (["--no-api", "--note", "why"], {"CRUCIBLE_API_URL": "{down}"}, "--tag and --note are "
+                                                                     "recorded in the registry"),
+])
+def test_run_refuses_a_registry_it_cannot_use_before_training(tmp_path, args, env, needle):
+    down = _nothing_listens()
+    out = tmp_path / "out"
+    done = _crucible_with({k: v.format(down=down) for k, v in env.items()}, "run", *_SHORT,
+                          "--out", str(out), *[a.format(down=down) for a in args], cwd=tmp_path)
+    assert done.returncode == 2
+    line = _one_error_line(done)
+    assert needle.format(down=down) in line
+    assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_no_api_trains_without_the_registry_named_in_the_environment(tmp_path):
+    out = tmp_path / "out"
+    done = _crucible_with({"CRUCIBLE_API_URL": _nothing_listens()}, "run", *_SHORT, "--out",
+                          str(out), "--no-api", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (out / "summary.json").exists() and "run page:" not in done.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tag", "two words"], "--tag: tag 'two words' is not a valid tag"),
+    (["--note", "n" * 10_001], "--note: String should have at most 10000 characters"),
+])
+def test_sweep_refuses_a_bad_tag_or_note_naming_the_option(tmp_path, args, needle):
+    done = _crucible("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1",
+                     "--work-dir", str(tmp_path / "work"), *args)
+    assert done.returncode == 2
+    assert needle in _one_error_line(done)
+    assert not (tmp_path / "work").exists()

@@ -86,7 +86,7 @@ def test_run_page_has_loss_timeline_config_and_links() -> None:
     view = _run_view()
     html = pages.run_page(view, plotly_tag=_TAG, sweep_href=lambda i: f"/s/{i}",
                           run_href=lambda i: f"/r/{i}")
-    assert _figure_ids(html) == ["fig-loss", "fig-faults"]
+    assert _figure_ids(html) == ["fig-loss", "fig-train", "fig-faults"]
     assert f'href="/s/{sample.SWEEP_ID}"' in html
     assert f'href="/r/{view["baseline"]["id"]}"' in html
     assert "<code>train.global_steps</code> = <code>20</code>" in html
@@ -103,7 +103,7 @@ def test_run_page_timeline_says_what_was_done_about_each_failure() -> None:
 def test_run_page_without_baseline_warns() -> None:
     html = pages.run_page(_run_view(with_baseline=False), plotly_tag=_TAG)
     assert "Missing baseline." in html
-    assert len(_figure_ids(html)) == 2
+    assert len(_figure_ids(html)) == 3
 
 
 def test_not_found_page_names_the_id_and_loads_no_script() -> None:
