@@ -39,7 +39,7 @@ test-all: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check crucible flows api db dashboards tests benchmarks
+	$(BIN)/ruff check crucible flows api db dashboards tests benchmarks infra
 
 clean:
 	rm -rf $(VENV) .pytest_cache

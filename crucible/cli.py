@@ -5,6 +5,7 @@ dashboards meet.
     crucible run --preset NAME [--set key.path=value ...] [--out DIR] [--resume | --overwrite]
                  [--api URL | --no-api] [--name N] [--tag T ...] [--note TEXT]
     crucible sweep ... | crucible deploy ...      (flows)
+    crucible launch --nproc R [--preset NAME] --out DIR [--kill R@STEP ...]   (distributed)
     crucible report SWEEP --out FILE.html         (dashboards; SWEEP = name or UUID)
     crucible api ... | crucible db upgrade        (registry)
 
@@ -417,6 +418,17 @@ def _rescore(fn, run_dir: Path, eval_tokens: int | None,  # noqa: ANN001 - a byp
         typer.echo(json.dumps(result, indent=2))
         return None
     return result
+
+
+@app.command("launch", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(ctx: typer.Context) -> None:
+    """A distributed run: one process per replica under torch.distributed.elastic, exchanging
+    SparseLoCo contributions only through the store, with planned SIGKILLs (`crucible launch
+    --help`; docs/OPERATIONS.md, "Distributed mode")."""
+    from crucible.distributed.cli import launch_main
+
+    raise typer.Exit(launch_main(list(ctx.args)))
 
 
 @app.command("evaluate")

@@ -113,6 +113,9 @@ class SparseLoCoConfig:
     aggregate: Aggregate = "selected_mean"
     clip_granularity: ClipGranularity = "tensor"   # median-norm clipping per tensor (Templar)
     max_norm_ratio: float = 50.0    # reject a tensor norm above 50x the round median; 0 = off
+    # distributed mode: how long a peer waits for a round's contributions before it agrees
+    # without the missing ones (the simulator's gather never waits: every upload is in)
+    round_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive(self, "sparseloco", "inner_steps", "chunk", "topk")
@@ -131,6 +134,9 @@ class SparseLoCoConfig:
         _require(self.max_norm_ratio == 0 or self.max_norm_ratio > 1,
                  f"sparseloco.max_norm_ratio must be 0 (off) or > 1 (a multiple of the round's "
                  f"median norm), got {self.max_norm_ratio}")
+        _require(0 < self.round_timeout_s <= 86_400,
+                 f"sparseloco.round_timeout_s must be in (0, 86400] seconds (how long a "
+                 f"distributed peer waits for missing contributions), got {self.round_timeout_s}")
 
     @property
     def resolved_outer_lr(self) -> float:

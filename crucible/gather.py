@@ -38,6 +38,17 @@ decision on every peer. Limits: a peer that aggregated under a manifest before a
 changed cannot be corrected afterwards (the change is detected and reported, not undone); see
 ALGORITHMS.md, "What a dishonest peer can and cannot do to a round". Transient store errors
 propagate, for the orchestration layer to retry.
+
+Late arrivals (`agree(..., late_ok=True)`, the distributed mode, `crucible.distributed`): there
+the peers are separate processes with no upload barrier; each waits for the round's expected
+contributions until its deadline, and a contribution may land after another peer has written the
+manifest without it. A peer whose own derivation then differs from the stored manifest derives
+the round again with every replica that manifest lists as missing, and that is now present,
+counted as not arrived; it adopts the stored manifest only if that derivation matches it
+exactly (included, missing, rejected with their reasons, sizes, digests), so every verdict,
+outliers against the round's median included, is taken on the set the writer saw. The price:
+a dishonest peer can also leave an honest contribution out of one round by writing the
+manifest early (it cannot add or change one).
 """
 from __future__ import annotations
 
@@ -208,10 +219,14 @@ def _text(value: Any) -> str:
 
 
 def upload_contribution(store: Store, run: str, global_step: int, stage: int, replica: int,
-                        blob: bytes) -> str:
+                        blob: bytes, *, if_absent: bool = False) -> str | None:
     """Write one contribution blob; returns its key. Not fsync'd (`durable=False`): a resumed
-    run re-encodes and re-uploads the same bytes before it reads them."""
+    run re-encodes and re-uploads the same bytes before it reads them. `if_absent` (the
+    distributed mode, where a restarted process may upload again into a round a peer has
+    already agreed on): create only, and return None if the key is taken."""
     key = contribution_key(run, global_step, stage, replica)
+    if if_absent:
+        return key if store.put_if_absent(key, blob) else None
     store.put(key, blob, durable=False)
     return key
 
@@ -246,10 +261,11 @@ def _arrived(store: Store, rnd: _Round) -> dict[int, tuple[str, int]]:
     return found
 
 
-def _build(store: Store, rnd: _Round, decode: Decode,
-           decode_many: DecodeMany | None) -> Manifest:
-    """This peer's derivation of the round's set from what the store holds now."""
-    arrived = _arrived(store, rnd)
+def _build(store: Store, rnd: _Round, decode: Decode, decode_many: DecodeMany | None, *,
+           late: frozenset[int] = frozenset()) -> Manifest:
+    """This peer's derivation of the round's set from what the store holds now; the replicas in
+    `late` count as not arrived (a stored manifest was written before they landed)."""
+    arrived = {r: found for r, found in _arrived(store, rnd).items() if r not in late}
     manifest = Manifest(run=rnd.run, global_step=rnd.global_step, stage=rnd.stage,
                         expected=rnd.expected, included=[], rejected=[], missing=[])
 
@@ -358,7 +374,7 @@ def _norm_outliers(valid: Mapping[int, Contribution], ratio: float) -> dict[int,
 def agree(store: Store, run: str, global_step: int, stage: int, *,
           expected_replicas: int | Iterable[int], decode: Decode, max_blob_bytes: int,
           decode_many: DecodeMany | None = None, idle: Mapping[int, str] | None = None,
-          max_norm_ratio: float = 0.0) -> Manifest:
+          max_norm_ratio: float = 0.0, late_ok: bool = False) -> Manifest:
     """The agreed set for (run, global step, stage); see the module docstring.
 
     `expected_replicas`: a count R (replicas 0..R-1) or the ids of the replicas that contribute
@@ -367,8 +383,10 @@ def agree(store: Store, run: str, global_step: int, stage: int, *,
     Contribution or raise InvalidContribution; `decode_many`, when given, validates all of a
     round's blobs in one call with the same verdicts. `max_blob_bytes`: the size of the
     largest valid blob (`sparseloco.contribution_bytes` / `dense_bytes`); a larger object is
-    rejected unread. The returned manifest carries the decoded contributions of its included
-    replicas. Raises StoreError on store failures, never for what the store holds.
+    rejected unread. `late_ok`: adopt a stored manifest that differs from the store only by
+    contributions that arrived after it was written (module docstring, "Late arrivals"). The
+    returned manifest carries the decoded contributions of its included replicas. Raises
+    StoreError on store failures, never for what the store holds.
     """
     expected = (list(range(expected_replicas)) if isinstance(expected_replicas, int)
                 else sorted(set(expected_replicas)))
@@ -387,6 +405,16 @@ def agree(store: Store, run: str, global_step: int, stage: int, *,
             ours.key, ours.superseded = key, superseded
             return ours
         reason = _disagreement(theirs, ours)
+        if reason is not None and late_ok and isinstance(theirs, Manifest):
+            # re-derive with what arrived after `theirs` was written counted as missing: every
+            # verdict (validity, outliers against the round's median) is then taken on the same
+            # set the writer saw, so an honest writer's manifest matches exactly
+            late = frozenset(set(_arrived(store, rnd)) & set(theirs.missing))
+            if late:
+                before = _build(store, rnd, decode, decode_many, late=late)
+                if _disagreement(theirs, before) is None:
+                    before.key, before.superseded = key, superseded
+                    return before
         if reason is None:
             ours.key, ours.superseded = key, superseded
             return ours

@@ -275,7 +275,7 @@ class Trainer:
     def _update(self, lr: float, active: torch.Tensor) -> None:
         if self.config.sparseloco.method == "ddp":
             self._all_reduce(active)
-        clip_per_replica(self.optimizer.parameters(), self.config.train.grad_clip)
+        self._clip()
         self.optimizer.step(lr=lr, active=active)
         pipe = self.config.pipeline
         for s, momentum in self.stiefel_momentum.items():
@@ -285,6 +285,9 @@ class Trainer:
                                       beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps,
                                       mask=active[:, s])
         self.model.zero_grad(set_to_none=True)
+
+    def _clip(self) -> None:
+        clip_per_replica(self.optimizer.parameters(), self.config.train.grad_clip)
 
     @torch.no_grad()
     def _all_reduce(self, active: torch.Tensor) -> None:

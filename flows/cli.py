@@ -205,7 +205,7 @@ def deploy(
                                                              "(default: this checkout)"),
     limit: int | None = typer.Option(None, "--limit", help="most flow runs served at once"),
 ) -> None:
-    """Create the train-run and failure-sweep deployments on the Prefect server
+    """Create the train-run, failure-sweep and distributed-run deployments on the Prefect server
     (PREFECT_API_URL) and serve them, or register them on a work pool (--pool)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per poll otherwise
@@ -220,7 +220,7 @@ def deploy(
 
     if pool:
         ids = deploy_to_pool(pool, image=image, source=source)
-        typer.echo(f"deployed train-run and failure-sweep to work pool {pool}: {', '.join(ids)}")
+        typer.echo(f"deployed train-run, failure-sweep and distributed-run to work pool {pool}: {', '.join(ids)}")
         return
     serve_deployments(limit=limit)
 

@@ -1,11 +1,12 @@
-"""Deployments of the two flows, so users start them from the Prefect UI.
+"""Deployments of the flows (train-run, failure-sweep, distributed-run), so users start them from
+the Prefect UI.
 
 Two ways to put them on a Prefect server (`PREFECT_API_URL`):
 
-- `serve_deployments()` (`crucible deploy`): creates both deployments and serves them from this
+- `serve_deployments()` (`crucible deploy`): creates the deployments and serves them from this
   process (`prefect.serve`): it polls for scheduled runs and runs each in a subprocess. One
   command per GPU host; the `gpu:<hostname>` limit keeps each host within its devices.
-- `deploy_to_pool(pool)` (`crucible deploy --pool NAME`): registers both deployments on a work
+- `deploy_to_pool(pool)` (`crucible deploy --pool NAME`): registers the deployments on a work
   pool (a process pool, or a Kubernetes pool whose base job template requests GPUs, see
   `infra/k8s-gpu-base-job-template.json`); workers started with `prefect worker start --pool
   NAME` on any number of machines run them. `--image` names the container image for a
@@ -20,6 +21,7 @@ from typing import Any
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 
+from flows.distributed_flow import distributed_run
 from flows.identity import code_version
 from flows.run_flow import train_run
 from flows.spec import DEMO_SPEC
@@ -41,6 +43,10 @@ DEPLOYMENTS: list[tuple[Flow[Any, Any], str, str, str]] = [
     (failure_sweep, "failure-sweep", "flows/sweep_flow.py:failure_sweep",
      "A failure-rate sweep: compression arms x strategies x failure probabilities x seeds, "
      "each against its own p = 0 baseline; posts the robustness table and dashboard link."),
+    (distributed_run, "distributed-run", "flows/distributed_flow.py:distributed_run",
+     "One run in distributed mode: a torch.distributed.elastic agent per replica on the worker "
+     "host, contributions through the store, planned SIGKILLs (kills); recorded in the registry "
+     "with the merged summary."),
 ]
 
 
@@ -50,7 +56,7 @@ def _sweep_defaults() -> dict[str, Any]:
 
 
 def build_deployments() -> list[RunnerDeployment]:
-    """Both deployments, ready for `prefect.serve`."""
+    """The deployments, ready for `prefect.serve`."""
     deployments = []
     for flow_obj, name, _entry, description in DEPLOYMENTS:
         parameters = _sweep_defaults() if name == "failure-sweep" else None
@@ -63,7 +69,7 @@ def build_deployments() -> list[RunnerDeployment]:
 
 
 def serve_deployments(limit: int | None = None) -> None:
-    """Create both deployments on the configured Prefect server and serve them until stopped.
+    """Create the deployments on the configured Prefect server and serve them until stopped.
 
     `limit` caps the flow runs this process runs at once (default: unlimited; GPU slots still
     bound the training runs).
@@ -77,7 +83,7 @@ def serve_deployments(limit: int | None = None) -> None:
 
 def deploy_to_pool(pool: str, *, image: str | None = None, source: str | None = None,
                    job_variables: dict[str, Any] | None = None) -> list[str]:
-    """Register both deployments on work pool `pool`; returns their ids.
+    """Register the deployments on work pool `pool`; returns their ids.
 
     `source` is where a worker finds the code (default: this checkout, right for a process pool
     on this machine; for a container pool, the path of the code inside `image`).

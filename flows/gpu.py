@@ -14,7 +14,7 @@ A slot is released when its run ends for any reason: the block's `finally` on su
 and in-process cancellation (Prefect raises a termination signal through the flow), and
 `release_slots` from the flows' cancellation/crash hooks when the worker killed the run's
 process. Each held slot leaves a small holder file (lease id, flow run, run label, pid) in the
-system temp folder so that those hooks, and a run waiting for the slot ("waiting for gpu:HOST
+system temp folder (or `CRUCIBLE_GPU_SLOTS_DIR`) so that those hooks, and a run waiting for the slot ("waiting for gpu:HOST
 (held by RUN)"), know who holds it. A process killed where no hook runs still loses its slot
 when its lease expires (`_LEASE_S`).
 """
@@ -124,8 +124,12 @@ def gpu_slot(name: str | None = None, timeout_s: float | None = None, *,
 
 
 def _holder_dir() -> Path:
-    folder = Path(tempfile.gettempdir()) / "crucible-gpu-slots"
-    folder.mkdir(exist_ok=True)
+    """`CRUCIBLE_GPU_SLOTS_DIR`, else `<system temp>/crucible-gpu-slots`: one folder per host
+    (a test session points it at its own folder, so another session's holders on the same
+    host are not mistaken for its own)."""
+    configured = os.environ.get("CRUCIBLE_GPU_SLOTS_DIR")
+    folder = Path(configured) if configured else Path(tempfile.gettempdir()) / "crucible-gpu-slots"
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 

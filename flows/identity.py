@@ -21,9 +21,12 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def config_fingerprint(config: Config) -> str:
-    """sha256 (hex) of the resolved config's canonical JSON, without the store location."""
+    """sha256 (hex) of the resolved config's canonical JSON, without the store location and
+    `sparseloco.round_timeout_s` (the distributed mode's wall-clock deadline: no number of a
+    simulated run depends on it, and adding the key must not re-identify every earlier run)."""
     data = json.loads(config.to_json())
     data.pop("store", None)
+    data.get("sparseloco", {}).pop("round_timeout_s", None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,10 @@ import torch
 # slower. Subprocesses (the CLI tests) inherit it through the environment.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# GPU slot holder files are per host (flows.gpu): this session's own folder, so a slot another
+# session on the same machine holds (a developer's run, a second checkout's tests) is not
+# reported as held in this session's Prefect. Subprocesses inherit it.
+os.environ["CRUCIBLE_GPU_SLOTS_DIR"] = tempfile.mkdtemp(prefix="crucible-gpu-slots-")
 
 pytest_plugins = [
     "tests.fixtures.postgres",

@@ -435,3 +435,15 @@ def test_sweep_refuses_a_bad_tag_or_note_naming_the_option(tmp_path, args, needl
     assert done.returncode == 2
     assert needle in _one_error_line(done)
     assert not (tmp_path / "work").exists()
+
+
+def test_launch_is_a_crucible_command_with_clear_errors(tmp_path):
+    """`crucible launch` (the distributed mode) is wired into the CLI: its own help, and bad
+    input is exit 2 naming the option, before any process starts."""
+    helped = _crucible("launch", "--help")
+    assert helped.returncode == 0 and "--kill-forever" in helped.stdout
+    bad = _crucible("launch", "--nproc", "0", "--out", str(tmp_path / "d"))
+    assert bad.returncode == 2 and "--nproc must be >= 1" in bad.stderr
+    assert not (tmp_path / "d").exists()
+    kill = _crucible("launch", "--nproc", "2", "--kill", "x@1", "--out", str(tmp_path / "d"))
+    assert kill.returncode == 2 and "--kill 'x@1'" in kill.stderr

@@ -13,7 +13,7 @@ def _resolve(schema: dict, node: dict) -> dict:
 
 def test_both_deployments_and_the_sweep_form() -> None:
     deployments = {d.name: d for d in build_deployments()}
-    assert set(deployments) == {"train-run", "failure-sweep"}
+    assert set(deployments) == {"train-run", "failure-sweep", "distributed-run"}
     sweep = deployments["failure-sweep"]
     schema = sweep._parameter_openapi_schema.model_dump()
     spec = _resolve(schema, schema["properties"]["spec"])

@@ -28,6 +28,16 @@ def test_fingerprint_ignores_the_store_but_not_the_numbers() -> None:
     assert len(config_fingerprint(base)) == 64
 
 
+def test_fingerprint_ignores_the_distributed_round_deadline() -> None:
+    """A wall-clock deadline of the distributed mode changes no simulated number: the
+    fingerprint (a sweep's skip key, a run's store folder) stays the same."""
+    base = get_preset("smoke")
+    patient = apply_overrides(base, ["sparseloco.round_timeout_s=600"])
+    assert config_fingerprint(base) == config_fingerprint(patient)
+    assert config_fingerprint(base) != config_fingerprint(
+        apply_overrides(base, ["sparseloco.topk=32"]))
+
+
 def test_code_version_names_the_package_version() -> None:
     import crucible
     assert code_version().startswith(crucible.__version__)

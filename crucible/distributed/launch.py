@@ -1,0 +1,291 @@
+"""Start a distributed run: one torch.distributed.elastic agent per replica, then merge.
+
+Each replica gets its own agent (`python -m torch.distributed.run --standalone --nproc-per-node 1
+--max-restarts K -m crucible.distributed.worker ...`), not one agent for all: an elastic agent
+restarts its whole worker group when one worker dies, and a replica's death must not restart
+(and wipe the optimiser state of) the others. The replicas share no process group; they meet
+only in the object store. On a host with GPUs, agent r sees GPU r mod n (`CUDA_VISIBLE_DEVICES`)
+and its worker runs on `cuda:LOCAL_RANK`.
+
+`launch()` writes `run.json` (config, run key, store URL, fault plan, kill plan) first, waits for
+every agent, then merges the per-replica folders into the run folder: `summary.json` (the
+simulator's keys, summed over replicas where they are counts, plus a `distributed` section),
+`events.jsonl`, `metrics.jsonl`, `process.jsonl` (kill / restart / first contribution records
+with wall-clock times) and `model.pt` (the global weights), each written atomically. If the
+launcher is interrupted while the agents run (an exception, Ctrl-C, a test's timeout; the CLI
+turns SIGTERM into one), it stops them first (`_stop`): no replica trains on, orphaned.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from crucible.bypass import MODEL_FILE
+from crucible.config import Config, ConfigError
+from crucible.distributed.worker import check_distributed
+from crucible.events import Event
+from crucible.faults import FaultPlan
+from crucible.gather import MAX_MANIFESTS, InvalidManifest, Manifest, manifest_key
+from crucible.store import KeyNotFound, Store, open_store
+from crucible.summary import write_bytes_atomic, write_json_atomic
+
+__all__ = ["Kill", "launch", "agent_command", "check_kills", "merge"]
+
+log = logging.getLogger(__name__)
+
+
+class Kill(dict):
+    """A planned SIGKILL: `Kill(replica=1, global_step=3, rejoin=True)`; `rejoin=False` gives
+    the replica's agent no restart for it (the replica never comes back)."""
+
+    def __init__(self, *, replica: int, global_step: int, rejoin: bool = True) -> None:
+        super().__init__(replica=replica, global_step=global_step, rejoin=rejoin)
+
+
+def check_kills(kills: list[dict[str, Any]], config: Config) -> None:
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    for k in kills:
+        text = f"{'--kill' if k['rejoin'] else '--kill-forever'} {k['replica']}@{k['global_step']}"
+        if not 0 <= k["replica"] < config.replicas:
+            raise ConfigError(f"{text}: replica must be in 0..{config.replicas - 1}")
+        if not 0 < k["global_step"] < config.train.global_steps:
+            raise ConfigError(f"{text}: global_step must be in 1..{config.train.global_steps - 1}"
+                              " (a replica killed before the first round has nothing to rejoin)")
+        if (k["replica"], k["global_step"]) in seen:
+            raise ConfigError(f"{text}: replica {k['replica']} is killed twice at global step "
+                              f"{k['global_step']}; give each kill once")
+        seen[(k["replica"], k["global_step"])] = k
+    for step in sorted({g for (_, g) in seen}):
+        if sum(1 for (_, g) in seen if g == step) == config.replicas:
+            # nobody is left to agree the round without them: each restarted replica would wait
+            # out its catch-up deadline and train that round with fresh state
+            raise ConfigError(f"--kill ...@{step}: every replica is killed at global step {step}; "
+                              "leave at least one replica running in each round")
+    for k in kills:
+        later = [g for (r, g) in seen if r == k["replica"] and g > k["global_step"]]
+        if not k["rejoin"] and later:
+            # its agent would get a restart for the later kill and spend it on this one
+            raise ConfigError(f"--kill-forever {k['replica']}@{k['global_step']}: the replica "
+                              f"never comes back, so it cannot be killed again at global step "
+                              f"{min(later)}; drop the later kill or use --kill")
+
+
+def agent_command(run_dir: Path, replica: int, *, max_restarts: int) -> list[str]:
+    """The torchrun command line of replica `replica`'s elastic agent."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.1", "-m", "crucible.distributed.worker",
+            "--run-dir", str(run_dir), "--replica", str(replica)]
+
+
+def launch(config: Config, *, out_dir: str | os.PathLike[str], plan: FaultPlan | None = None,
+           kills: list[dict[str, Any]] | None = None, start_timeout_s: float = 300.0,
+           gpus: int | None = None) -> dict[str, Any]:
+    """Run `config` with one process per replica; returns the merged summary (also written to
+    `out_dir/summary.json`). Raises ConfigError for what the distributed mode cannot run and
+    RuntimeError when a replica that was to finish did not."""
+    check_distributed(config)
+    kills = [dict(k) for k in (kills or [])]
+    check_kills(kills, config)
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_key = f"run-{uuid.uuid4().hex[:12]}"
+    store_url = config.store.url or (out / "store").as_uri()
+    write_json_atomic(out / "run.json", {
+        "run_key": run_key, "store_url": store_url, "config": config.to_dict(),
+        "plan": plan.to_list() if plan is not None else None, "kills": kills,
+        "start_timeout_s": start_timeout_s})
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.device_count()
+    started = time.time()
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(config.replicas):
+            mine = [k for k in kills if k["replica"] == r]
+            restarts = sum(1 for k in mine if k["rejoin"])
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(r % gpus)
+            folder = out / "replicas" / f"replica-{r}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "agent.log", "wb") as log_file:
+                agents.append(subprocess.Popen(agent_command(out, r, max_restarts=restarts),
+                                               env=env, stdout=log_file,
+                                               stderr=subprocess.STDOUT))
+        codes = [agent.wait() for agent in agents]
+    except BaseException:   # an interrupt, a test's timeout, a failed start: no orphans
+        _stop(agents)
+        raise
+    wall_s = time.time() - started
+    summary = merge(out, config, kills=kills, exit_codes=codes, wall_s=wall_s)
+    lost = {k["replica"] for k in kills if not k["rejoin"]}
+    failed = [r for r, code in enumerate(codes) if code != 0 and r not in lost]
+    if failed:
+        raise RuntimeError(f"replicas {failed} failed (exit codes "
+                           f"{[codes[r] for r in failed]}); see {out}/replicas/replica-*/agent.log")
+    return summary
+
+
+def _stop(agents: list[subprocess.Popen[bytes]], *, grace_s: float = 60.0) -> None:
+    """Stop every agent still running and wait for it. SIGTERM first: the agent then stops its
+    worker (which torchrun starts in a session of its own, out of reach of a signal to the
+    agent's group) before it exits; SIGKILL after `grace_s` (torchrun's own grace is 30 s)."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.terminate()
+    for agent in agents:
+        try:
+            agent.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("agent %d ignored SIGTERM for %.0f s; killing it (its worker may "
+                        "outlive it)", agent.pid, grace_s)
+            agent.kill()
+            agent.wait()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode("utf-8")
+
+
+def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes: list[int],
+          wall_s: float) -> dict[str, Any]:
+    """Merge `out/replicas/replica-*/` into the run folder's summary, records and model.
+
+    Counts come from what survives a SIGKILL: each replica's per-round records (`rounds.jsonl`,
+    appended durably after every round, by every life of the process) and the agreed manifests
+    in the store (contributions made and missed, also those of a replica that is dead). The
+    evaluation and the global weights come from the lowest replica that finished."""
+    R, S = config.replicas, config.pipeline.stages
+    parts = {r: json.loads(p.read_text()) for r in range(R)
+             if (p := out / "replicas" / f"replica-{r}" / "summary.json").exists()}
+    if not parts:
+        raise RuntimeError(f"no replica of the run in {out} finished; see its agent.log files")
+    # evaluations and weights from the lowest replica that finished, one never restarted if any
+    # (a restarted process evaluates only after it rejoined)
+    first = min(parts, key=lambda r: (parts[r]["restarts"] > 0, r))
+    lead = parts[first]
+    ident = json.loads((out / "run.json").read_text())
+    store = open_store(ident["store_url"], endpoint_url=config.store.endpoint_url,
+                       region=config.store.region)
+    agreed = _agreed_sets(store, ident["run_key"], steps=lead["global_steps"], stages=S)
+    events, metrics, process, rounds = [], [], [], {}
+    for r in range(R):
+        folder = out / "replicas" / f"replica-{r}"
+        events += _read_jsonl(folder / "events.jsonl")
+        metrics += [m for m in _read_jsonl(folder / "metrics.jsonl")
+                    if m.get("name") != "val_loss" or r == first]
+        process += _read_jsonl(folder / "process.jsonl")
+        rounds[r] = {x["global_step"]: x for x in _read_jsonl(folder / "rounds.jsonl")}
+    events = _with_missing_events(events, agreed)
+    events.sort(key=lambda e: (e["global_step"], e.get("replica") or 0, e["kind"]))
+    metrics.sort(key=lambda m: (m["global_step"], m["name"], m.get("replica") or 0))
+    process.sort(key=lambda p: p["wall"])
+    summary = {k: lead[k] for k in ("preset", "seed", "initial_val_loss",
+                                    "final_val_loss", "val_loss_stderr", "evals", "global_steps",
+                                    "tokens_budget", "synced_params", "faults", "eval_tokens")
+               if k in lead}
+    summary["config"] = ident["config"]
+    done = [x for per in rounds.values() for x in per.values()]
+    summary["tokens_processed"] = sum(x["tokens"] for x in done)
+    summary["budget_met"] = summary["tokens_processed"] >= summary["tokens_budget"]
+    summary["inner_steps"] = [[sum(x["inner_steps"][s] for x in rounds[r].values())
+                               for s in range(S)] for r in range(R)]
+    made = sum(len(m["included"]) + len(m["rejected"]) for m in agreed.values())
+    summary["contributions"] = {"made": made, "missed": R * len(agreed) - made,
+                                "rejected": sum(len(m["rejected"]) for m in agreed.values())}
+    upload = sum(x["upload_bytes"] for x in done)
+    summary["bytes"] = {"boundary_forward": sum(x["boundary_bytes"][0] for x in done),
+                        "boundary_backward": sum(x["boundary_bytes"][1] for x in done),
+                        "boundary_rerouted": 0, "upload": upload,
+                        "dense_upload_equivalent": sum(x["dense_bytes"] for x in done),
+                        "upload_per_global_step": upload / max(summary["global_steps"], 1)}
+    summary["wall_s"] = wall_s
+    finals = [p["final_val_loss"] for p in parts.values()]
+    summary["distributed"] = {
+        "replicas": R, "exit_codes": exit_codes, "finished": sorted(parts),
+        "round_timeout_s": config.sparseloco.round_timeout_s,
+        "kills": kills, "recoveries": _recoveries(process),
+        "final_val_loss_spread": max(finals) - min(finals),
+        "missing_rounds": {str(r): sorted({g for (g, _), m in agreed.items()
+                                           if r in m["missing"]}) for r in range(R)},
+        "trained_rounds": {str(r): sorted(rounds[r]) for r in range(R)},
+        "round_waits_s": {str(r): [rounds[r][g]["wait_s"] for g in sorted(rounds[r])]
+                          for r in range(R)},
+        "devices": {str(r): p["device"] for r, p in parts.items()},
+    }
+    summary["versions"] = lead["versions"]
+    write_bytes_atomic(out / "events.jsonl", _jsonl_bytes(events))
+    write_bytes_atomic(out / "metrics.jsonl", _jsonl_bytes(metrics))
+    write_bytes_atomic(out / "process.jsonl", _jsonl_bytes(process))
+    tmp = out / f".{MODEL_FILE}.merge"
+    shutil.copyfile(out / "replicas" / f"replica-{first}" / MODEL_FILE, tmp)
+    os.replace(tmp, out / MODEL_FILE)
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _agreed_sets(store: Store, run_key: str, *, steps: int,
+                 stages: int) -> dict[tuple[int, int], dict[str, Any]]:
+    """(global step, stage) -> the agreed manifest's body (the first that parses; in a run of
+    honest peers that is `manifest.json`)."""
+    out = {}
+    for g in range(steps):
+        for s in range(stages):
+            for version in range(MAX_MANIFESTS):
+                try:
+                    manifest = Manifest.from_json(
+                        store.get(manifest_key(run_key, g, s, version=version)))
+                except KeyNotFound:
+                    break
+                except InvalidManifest:
+                    continue
+                out[(g, s)] = {"included": manifest.included, "missing": manifest.missing,
+                               "rejected": [x.replica for x in manifest.rejected]}
+                break
+    return out
+
+
+def _with_missing_events(events: list[dict[str, Any]],
+                         agreed: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """`events` plus a `contribution_missing` event for every expected contribution a manifest
+    lists as missing (a dead process reports nothing itself)."""
+    seen = {e["id"] for e in events}
+    out = list(events)
+    for (g, s), m in sorted(agreed.items()):
+        for r in m["missing"]:
+            event = Event("contribution_missing", g, replica=r, stage=s).to_dict()
+            if event["id"] not in seen:
+                seen.add(event["id"])
+                out.append(event)
+    return out
+
+
+def _recoveries(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kill: when the process was back, caught up with the global weights and contributed
+    again, in global steps and in wall-clock seconds after the kill."""
+    out = []
+    for kill in (p for p in process if p["kind"] == "kill"):
+        later = [p for p in process if p["replica"] == kill["replica"] and p["wall"] > kill["wall"]]
+        row: dict[str, Any] = {"replica": kill["replica"], "killed_at_step": kill["global_step"]}
+        for kind, name in (("restart", "restart"), ("caught_up", "caught_up"),
+                           ("first_contribution", "rejoin")):
+            found = next((p for p in later if p["kind"] == kind), None)
+            row[f"{name}_step"] = found["global_step"] if found else None
+            row[f"kill_to_{name}_s"] = found["wall"] - kill["wall"] if found else None
+        out.append(row)
+    return out

@@ -1,0 +1,1 @@
+"""Kubernetes templates of Crucible (rendered by `python -m infra.k8s.render`)."""

@@ -1,0 +1,289 @@
+"""Render a distributed run on N GPU hosts as Kubernetes objects (NOT RUN here: no cluster, no
+GPUs; only the rendering is tested, tests/unit/test_k8s_render.py).
+
+    python -m infra.k8s.render --replicas 4 --image registry.example.com/crucible:gpu \\
+        --store s3://crucible/dist --endpoint-url http://minio.crucible:9000 \\
+        [--preset smoke] [--set key=value ...] [--kill R@STEP ...] [--kill-forever R@STEP ...] \\
+        [--name NAME] [--storage-class CLASS] > run.yaml
+    kubectl apply -f run.yaml
+
+What it renders, and why (the same layout `crucible.distributed.launch.launch` makes on one host):
+
+- ConfigMap `NAME-run`: `run.json` (config, run key, store URL, kill plan), the file every worker
+  reads from its run folder. Rendered here, once, so every pod sees the same run key.
+- PersistentVolumeClaim `NAME-run` (ReadWriteMany): the run folder shared by every pod. The worker
+  writes `replicas/replica-r/` there and `launch.merge` reads all replica folders from one
+  filesystem, so the pods need a shared volume (NFS, EFS, Filestore, CephFS); `--claim` reuses one.
+- One Job per replica, `NAME-replica-r` (one pod, one GPU: `nvidia.com/gpu`), running the
+  replica's elastic agent exactly as `launch.agent_command` builds it (`python -m
+  torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 --max-restarts K ... -m
+  crucible.distributed.worker --run-dir /crucible/run --replica r`), K = the replica's planned
+  `--kill`s. Restarts are the agent's, inside the pod: `restartPolicy: Never`, `backoffLimit: 0`,
+  because a restarted container would start the worker with restart count 0, i.e. as a fresh
+  replica from step 0, not as a rejoin. One Job per replica (not one indexed Job) because K
+  differs per replica, and a failed replica (`--kill-forever`) must not fail the others. A
+  wrapper writes the agent's exit code to `replicas/replica-r/exit-code`.
+- Job `NAME-merge`: waits for every replica's `exit-code`, then runs `launch.merge` on the shared
+  folder (`summary.json`, `events.jsonl`, `metrics.jsonl`, `process.jsonl`, `model.pt`); exits 1
+  when a replica that was to finish did not (as `launch` raises).
+
+The store: `--store s3://bucket/prefix` (+ `--endpoint-url` for MinIO) goes into the config as
+`store.url` / `store.endpoint_url`; credentials come from the Secret `--s3-secret` (keys
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) as environment variables. Required for more than one
+replica (one host each). Exit 2 with a message naming the option for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from crucible.config import Config, ConfigError, apply_overrides
+
+__all__ = ["MERGE_SCRIPT", "RUN_DIR", "render", "main"]
+
+RUN_DIR = "/crucible/run"
+_SPEC_DIR = "/crucible/spec"
+_NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
+
+# The merge step (argv[1]: the run folder): `launch.merge` with the agents' recorded exit codes.
+MERGE_SCRIPT = """\
+import json, sys, time
+from pathlib import Path
+from crucible.config import Config
+from crucible.distributed.launch import merge
+out = Path(sys.argv[1])
+ident = json.loads((out / "run.json").read_text())
+config = Config.from_dict(ident["config"])
+codes = [int((out / "replicas" / f"replica-{r}" / "exit-code").read_text())
+         for r in range(config.replicas)]
+summary = merge(out, config, kills=ident["kills"], exit_codes=codes,
+                wall_s=time.time() - (out / "run.json").stat().st_mtime)
+lost = {k["replica"] for k in ident["kills"] if not k["rejoin"]}
+failed = [r for r, code in enumerate(codes) if code != 0 and r not in lost]
+keys = ("final_val_loss", "global_steps", "tokens_processed", "contributions")
+print(json.dumps({k: summary[k] for k in keys} | {"failed": failed}))
+sys.exit(1 if failed else 0)
+"""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the scripts) as YAML block literals, no anchors: readable run.yaml."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infra.k8s.render",
+                                description="Render a distributed run as Kubernetes objects.")
+    p.add_argument("--replicas", type=int, required=True, help="replicas: one pod (host) each")
+    p.add_argument("--image", required=True, help="the Crucible image (infra/Dockerfile, CUDA)")
+    p.add_argument("--store", help="s3://bucket/prefix the replicas exchange contributions "
+                                   "through (required for --replicas > 1)")
+    p.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://minio:9000 (MinIO)")
+    p.add_argument("--region", help="S3 region")
+    p.add_argument("--s3-secret", default="crucible-s3",
+                   help="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    p.add_argument("--preset", default="smoke", help="a preset name (`crucible presets`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable)")
+    p.add_argument("--kill", action="append", default=[], metavar="R@STEP",
+                   help="SIGKILL replica R at global step STEP; its agent restarts it")
+    p.add_argument("--kill-forever", action="append", default=[], metavar="R@STEP",
+                   help="as --kill, without a restart")
+    p.add_argument("--name", default="crucible-dist",
+                   help="prefix of the objects' names (lowercase letters, digits, '-')")
+    p.add_argument("--run-key", help="the run's key in the store (default: a new one)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per replica pod (0: CPU nodes)")
+    p.add_argument("--claim", help="an existing ReadWriteMany claim for the run folder "
+                                   "(default: render one)")
+    p.add_argument("--storage-class", help="storage class of the rendered ReadWriteMany claim")
+    p.add_argument("--volume-size", default="20Gi", help="size of the rendered claim")
+    p.add_argument("--start-timeout-s", type=float, default=900.0,
+                   help="how long replicas wait for each other at the start (image pulls)")
+    return p
+
+
+def _kills(texts: list[str], *, rejoin: bool) -> list[dict[str, Any]]:
+    option = "--kill" if rejoin else "--kill-forever"
+    out = []
+    for text in texts:
+        replica, sep, step = text.partition("@")
+        if not sep or not replica.isdigit() or not step.isdigit():
+            raise ConfigError(f"{option} {text!r}: expected REPLICA@GLOBAL_STEP, e.g. 1@3")
+        out.append({"replica": int(replica), "global_step": int(step), "rejoin": rejoin})
+    return out
+
+
+def _check(args: argparse.Namespace) -> tuple[Config, list[dict[str, Any]]]:
+    """The run's config and kills; ConfigError naming the option for bad input."""
+    from crucible.distributed.launch import check_kills
+    from crucible.distributed.worker import check_distributed
+    from crucible.presets import get_preset
+
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1 (one pod per replica), got {args.replicas}")
+    if args.replicas > 1 and not args.store:
+        raise ConfigError(f"--store is required for --replicas {args.replicas}: each replica "
+                          "runs on its own host, so pass an S3 URL every pod reaches, e.g. "
+                          "--store s3://crucible/dist (--endpoint-url for MinIO)")
+    if args.store and not args.store.startswith("s3://"):
+        raise ConfigError(f"--store {args.store!r}: pass s3://bucket/prefix (a file:// store "
+                          "is one host's disk)")
+    if args.gpus < 0:
+        raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
+    if not _NAME.fullmatch(args.name):
+        raise ConfigError(f"--name {args.name!r}: use 1-40 lowercase letters, digits and '-', "
+                          "starting with a letter")
+    extra = [f"replicas={args.replicas}"]
+    extra += [f"store.url={args.store}"] if args.store else []
+    extra += [f"store.endpoint_url={args.endpoint_url}"] if args.endpoint_url else []
+    extra += [f"store.region={args.region}"] if args.region else []
+    try:
+        preset = get_preset(args.preset)
+    except ConfigError as exc:
+        raise ConfigError(f"--preset: {exc}") from exc
+    config = apply_overrides(preset, [*args.overrides, *extra])
+    check_distributed(config)
+    kills = _kills(args.kill, rejoin=True) + _kills(args.kill_forever, rejoin=False)
+    check_kills(kills, config)
+    return config, kills
+
+
+def render(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The Kubernetes objects of the run `args` describes (raises ConfigError for bad input)."""
+    config, kills = _check(args)
+    run_key = args.run_key or f"run-{uuid.uuid4().hex[:12]}"
+    ident = {"run_key": run_key, "store_url": config.store.url or f"file://{RUN_DIR}/store",
+             "config": config.to_dict(), "plan": None, "kills": kills,
+             "start_timeout_s": args.start_timeout_s}
+    labels = {"app.kubernetes.io/name": "crucible", "crucible.io/run": args.name}
+    claim = args.claim or f"{args.name}-run"
+    objects: list[dict[str, Any]] = [{
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": f"{args.name}-run", "labels": labels},
+        "data": {"run.json": json.dumps(ident, indent=2, sort_keys=True)}}]
+    if not args.claim:
+        spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"],
+                                "resources": {"requests": {"storage": args.volume_size}}}
+        if args.storage_class:
+            spec["storageClassName"] = args.storage_class
+        objects.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                        "metadata": {"name": claim, "labels": labels}, "spec": spec})
+    for r in range(config.replicas):
+        restarts = sum(1 for k in kills if k["replica"] == r and k["rejoin"])
+        objects.append(_replica_job(args, labels, claim, r, restarts, config))
+    objects.append(_merge_job(args, labels, claim, config.replicas))
+    return objects
+
+
+def _volumes(args: argparse.Namespace, claim: str) -> list[dict[str, Any]]:
+    return [{"name": "run", "persistentVolumeClaim": {"claimName": claim}},
+            {"name": "spec", "configMap": {"name": f"{args.name}-run"}}]
+
+
+def _store_env(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if not args.store:
+        return []
+    env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": args.s3_secret, "key": key}}}
+           for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    env += [{"name": "CRUCIBLE_STORE_URL", "value": args.store}]
+    if args.endpoint_url:
+        env.append({"name": "CRUCIBLE_S3_ENDPOINT_URL", "value": args.endpoint_url})
+    if args.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": args.region})
+    return env
+
+
+def _replica_job(args: argparse.Namespace, labels: dict[str, str], claim: str, replica: int,
+                 restarts: int, config: Config) -> dict[str, Any]:
+    from crucible.distributed.launch import agent_command
+
+    command = ["python", *agent_command(Path(RUN_DIR), replica, max_restarts=restarts)[1:]]
+    folder = f"{RUN_DIR}/replicas/replica-{replica}"
+    script = (f"mkdir -p {folder}\n"
+              f"{' '.join(command)}\n"
+              "code=$?\n"
+              f"echo $code > {folder}/exit-code\n"
+              "exit $code\n")
+    mine = labels | {"crucible.io/role": "replica", "crucible.io/replica": str(replica)}
+    container: dict[str, Any] = {
+        "name": "replica", "image": args.image, "command": ["bash", "-c", script],
+        "env": [{"name": "CRUCIBLE_REPLICA", "value": str(replica)},
+                {"name": "PYTHONUNBUFFERED", "value": "1"}, *_store_env(args)],
+        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR},
+                         {"name": "spec", "mountPath": _SPEC_DIR, "readOnly": True}]}
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        # every replica copies the same run.json into the shared folder (atomically)
+        "initContainers": [{
+            "name": "run-spec", "image": args.image,
+            "command": ["sh", "-c", f"cp {_SPEC_DIR}/run.json {RUN_DIR}/.run.json.{replica} && "
+                                    f"mv {RUN_DIR}/.run.json.{replica} {RUN_DIR}/run.json"],
+            "volumeMounts": container["volumeMounts"]}],
+        "containers": [container],
+        "volumes": _volumes(args, claim),
+        # one replica per host where the cluster can
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {"crucible.io/run": args.name,
+                                                  "crucible.io/role": "replica"}}}}]}}}
+    if args.gpus:
+        gpus = {"nvidia.com/gpu": args.gpus}
+        container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
+                               "effect": "NoSchedule"}]
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{args.name}-replica-{replica}", "labels": mine},
+            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine},
+                                                     "spec": pod}}}
+
+
+def _merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str,
+               replicas: int) -> dict[str, Any]:
+    wait = (f"for r in $(seq 0 {replicas - 1}); do\n"
+            f"  until [ -f {RUN_DIR}/replicas/replica-$r/exit-code ]; do sleep 10; done\n"
+            "done\n")
+    mine = labels | {"crucible.io/role": "merge"}
+    container = {
+        "name": "merge", "image": args.image,
+        "command": ["bash", "-c", wait + f'exec python -c "$MERGE_SCRIPT" {RUN_DIR}\n'],
+        "env": [{"name": "MERGE_SCRIPT", "value": MERGE_SCRIPT}, *_store_env(args)],
+        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR},
+                         {"name": "spec", "mountPath": _SPEC_DIR, "readOnly": True}]}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{args.name}-merge", "labels": mine},
+            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine}, "spec": {
+                "restartPolicy": "Never", "containers": [container],
+                "volumes": _volumes(args, claim)}}}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the run's objects as one YAML stream; exit 2 naming the option for bad input."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        objects = render(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("# a distributed run, rendered by `python -m infra.k8s.render` (NOT RUN in CI: no "
+          "cluster)")
+    print(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=100), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
