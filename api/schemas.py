@@ -80,7 +80,9 @@ EVENT_KIND_HELP = ("What happened. Per down stage-replica and global step exactl
                    "(its micro-batches went through detail.donor's stage); also failure_start, "
                    "rejoin, contribution_missing, contribution_rejected, manifest_rejected "
                    "(a round's manifest failed validation), checkpoint_rejected (a damaged "
-                   "checkpoint was skipped on resume).")
+                   "checkpoint was skipped on resume); in the distributed mode, real process "
+                   "faults: process_killed, process_restarted and process_rejoined (detail: "
+                   "wall-clock seconds after the kill).")
 
 
 def check_text(value: str) -> str:

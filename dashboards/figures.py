@@ -363,7 +363,11 @@ _EVENT_MARKERS = {  # kind -> (legend label, symbol, colour)
     "contribution_rejected": ("contribution rejected", "x", "#CC79A7"),
     "rejoin": ("stage rejoined (state reset)", "triangle-right", "#009E73"),
     "reroute": ("rerouted (donor in hover)", "star", "#56B4E9"),
+    # the distributed mode's real faults: a replica's process killed, and back contributing
+    "process_killed": ("process killed (SIGKILL)", "x-thin", "#D55E00"),
+    "process_rejoined": ("process rejoined", "triangle-up", "#0072B2"),
 }
+_PROCESS_KINDS = ("process_killed", "process_rejoined")
 _MARKER_OFFSET = 0.42  # markers sit just above a replica's bar, clear of its stage label
 
 Done = tuple[str, Any]  # (mitigation, donor replica or None)
@@ -477,9 +481,12 @@ def _event_markers(events: Sequence[Mapping[str, Any]]) -> list[go.Scatter]:
                 and _finite(e.get("global_step"))]
         if not rows:
             continue
-        hover = [f"{label}<br>step {e['global_step']}, stage {e.get('stage', '?')}"
+        hover = [f"{label}<br>step {e['global_step']}"
+                 + (f", stage {e['stage']}" if e.get("stage") is not None else "")
                  + (f", donor replica {(e.get('detail') or {}).get('donor')}"
-                    if kind == "reroute" else "") for e in rows]
+                    if kind == "reroute" else "")
+                 + (f", {(e.get('detail') or {})['seconds_after_kill']} s after the kill"
+                    if "seconds_after_kill" in (e.get("detail") or {}) else "") for e in rows]
         markers.append(go.Scatter(
             # a rejoin happens at a step boundary; the others belong to the whole step
             x=[e["global_step"] + (0.0 if kind == "rejoin" else 0.5) for e in rows],
@@ -504,11 +511,16 @@ def fault_timeline(*, faults: Sequence[Mapping[str, Any]], events: Sequence[Mapp
     title = "Fault timeline: which stage was down, when, and how the replica coped"
     valid = [f for f in faults if all(_finite(f.get(k)) for k in ("replica", "stage", "start",
                                                                    "duration"))]
-    if not valid:
+    # a distributed run's real kills are failures too, even with no simulated stage failure
+    killed = [e for e in events if e.get("kind") in _PROCESS_KINDS
+              and _finite(e.get("replica")) and _finite(e.get("global_step"))]
+    if not valid and not killed:
         return empty_figure(title=title, message="No failures in this run.", height=220)
     fig = go.Figure([*_fault_bars(valid, events, strategy), *_event_markers(events)])
-    n_replicas = replicas or int(max(f["replica"] for f in valid)) + 1
-    last_step = global_steps or int(max(f["start"] + f["duration"] for f in valid))
+    n_replicas = replicas or int(max([f["replica"] for f in valid]
+                                     + [e["replica"] for e in killed])) + 1
+    last_step = global_steps or int(max([f["start"] + f["duration"] for f in valid]
+                                        + [e["global_step"] + 1 for e in killed]))
     base_layout(fig, title=title, x_title="Global step (outer round)", y_title="Replica",
                 height=max(300, 120 + 46 * n_replicas))
     fig.update_layout(barmode="overlay", bargap=0.3)

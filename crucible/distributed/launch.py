@@ -191,7 +191,7 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
                     if m.get("name") != "val_loss" or r == first]
         process += _read_jsonl(folder / "process.jsonl")
         rounds[r] = {x["global_step"]: x for x in _read_jsonl(folder / "rounds.jsonl")}
-    events = _with_missing_events(events, agreed)
+    events = _with_missing_events(events, agreed) + _process_events(process)
     events.sort(key=lambda e: (e["global_step"], e.get("replica") or 0, e["kind"]))
     metrics.sort(key=lambda m: (m["global_step"], m["name"], m.get("replica") or 0))
     process.sort(key=lambda p: p["wall"])
@@ -272,6 +272,24 @@ def _with_missing_events(events: list[dict[str, Any]],
             if event["id"] not in seen:
                 seen.add(event["id"])
                 out.append(event)
+    return out
+
+
+def _process_events(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The real faults as events beside the simulated ones (so the registry and the dashboards
+    see them): `process_killed` at the kill's global step, `process_restarted` when its agent
+    started it again and `process_rejoined` at its first contribution after the kill, each with
+    `detail.seconds_after_kill` (wall clock) and `detail.killed_at_step`."""
+    out = []
+    for row in _recoveries(process):
+        replica, killed = row["replica"], row["killed_at_step"]
+        out.append(Event("process_killed", killed, replica=replica,
+                         detail={"killed_at_step": killed}).to_dict())
+        for kind, name in (("process_restarted", "restart"), ("process_rejoined", "rejoin")):
+            if row[f"{name}_step"] is not None:
+                out.append(Event(kind, row[f"{name}_step"], replica=replica, detail={
+                    "killed_at_step": killed,
+                    "seconds_after_kill": round(row[f"kill_to_{name}_s"], 3)}).to_dict())
     return out
 
 

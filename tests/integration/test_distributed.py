@@ -161,6 +161,16 @@ def test_two_planned_kills_rejoin_from_the_store_with_fresh_state(tmp_path: Path
     assert [(r["replica"], r["killed_at_step"], r["rejoin_step"])
             for r in dist["recoveries"]] == [(1, 1, 2), (2, 3, 4)]
     assert all(0 < r["kill_to_restart_s"] < r["kill_to_rejoin_s"] for r in dist["recoveries"])
+    # the real faults are events too (the registry and the dashboards get them with the rest)
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    real = sorted((e["kind"], e["replica"], e["global_step"]) for e in events
+                  if e["kind"].startswith("process_"))
+    assert real == [("process_killed", 1, 1), ("process_killed", 2, 3),
+                    ("process_rejoined", 1, 2), ("process_rejoined", 2, 4),
+                    ("process_restarted", 1, 1), ("process_restarted", 2, 3)]
+    rejoined = {e["replica"]: e["detail"] for e in events if e["kind"] == "process_rejoined"}
+    assert [round(rejoined[r["replica"]]["seconds_after_kill"], 3) for r in dist["recoveries"]] \
+        == [round(r["kill_to_rejoin_s"], 3) for r in dist["recoveries"]]
     # the restarted processes hold the global weights every peer holds
     finals = [_weights(out / "replicas" / f"replica-{r}" / "model.pt") for r in range(3)]
     assert _largest_difference(finals[0], finals[1]) == 0.0

@@ -72,3 +72,22 @@ def test_fault_timeline_makes_room_for_a_long_legend() -> None:
     assert long.layout.margin.b > short.layout.margin.b
     assert long.layout.height - long.layout.margin.b == short.layout.height - short.layout.margin.b
     assert long.layout.yaxis.automargin is True  # replica labels push the left margin
+
+
+def test_fault_timeline_shows_real_process_kills_of_the_distributed_mode() -> None:
+    """A distributed run's process_killed / process_rejoined events get their own markers, with
+    the seconds after the kill in the hover, even in a run with no simulated stage failure (the
+    timeline is not "No failures"); a run without them has no such legend entry."""
+    events = [{"kind": "process_killed", "global_step": 3, "replica": 1, "stage": None,
+               "detail": {"killed_at_step": 3}},
+              {"kind": "process_rejoined", "global_step": 4, "replica": 1, "stage": None,
+               "detail": {"killed_at_step": 3, "seconds_after_kill": 10.2}}]
+    fig = figures.fault_timeline(faults=[], events=events, strategy="drop", replicas=3,
+                                 global_steps=6)
+    names = [t.name for t in fig.data]
+    assert "process killed (SIGKILL)" in names and "process rejoined" in names
+    rejoin = next(t for t in fig.data if t.name == "process rejoined")
+    assert "10.2 s after the kill" in rejoin.hovertext[0] and "stage" not in rejoin.hovertext[0]
+    quiet = figures.fault_timeline(faults=[], events=[], strategy="drop", replicas=3,
+                                   global_steps=6)
+    assert not any((t.name or "").startswith("process") for t in quiet.data)
