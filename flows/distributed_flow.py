@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as runtime_flow_run
 
@@ -36,11 +35,12 @@ from crucible.ids import validate_id
 from crucible.reporting import ApiUnavailable, RecordsOwed
 from flows.errors import describe
 from flows.gpu import gpu_slot
-from flows.registry import make_callback, make_client, run_page
+from flows.registry import make_callback, make_client
 from flows.run_flow import (
     drain_spools,
     end_flow_runs,
     finish_run,
+    post_run_link,
     register_run,
     resolve_config,
 )
@@ -168,10 +168,8 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
                                         settings.s3_endpoint_url)
     drain_spools(settings)
     run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")
-    create_link_artifact(link=run_page(settings, run_id), link_text=f"Run {run_id[:8]}",
-                         key=f"run-{run_id[:8]}-dashboard".lower(),
-                         description="This distributed run's dashboard page, served by the "
-                                     "Crucible API.")
+    post_run_link(settings, run_id, "This distributed run's dashboard page, served by the "
+                                    "Crucible API.")
     out_dir = _launch_folder(settings.work_dir.resolve() / "runs" / run_id)
     try:
         summary = launch_task(config, run_id, out_dir, planned, settings)

@@ -60,7 +60,7 @@ from flows.identity import code_version, config_fingerprint
 from flows.registry import make_callback, make_client, run_page
 from flows.settings import FlowSettings
 
-__all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES"]
+__all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES", "post_run_link"]
 
 _log = logging.getLogger(__name__)
 
@@ -128,6 +128,12 @@ class _AttemptCallback:
             client = getattr(self.inner, "client", None)   # the ApiCallback's own HTTP client
             if client is not None:
                 client.close()
+
+
+def post_run_link(settings: FlowSettings, run_id: str, description: str) -> None:
+    """The flow run's link artifact to its run's dashboard page."""
+    create_link_artifact(link=run_page(settings, run_id), link_text=f"Run {run_id[:8]}",
+                         key=f"run-{run_id[:8]}-dashboard".lower(), description=description)
 
 
 @task(name="replay-spools", cache_policy=NO_CACHE)
@@ -316,10 +322,8 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
                             settings.s3_endpoint_url)
     drain_spools(settings)
     run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")
-    create_link_artifact(link=run_page(settings, run_id), link_text=f"Run {run_id[:8]}",
-                         key=f"run-{run_id[:8]}-dashboard".lower(),
-                         description="This run's dashboard page (loss curves, fault timeline), "
-                                     "served by the Crucible API.")
+    post_run_link(settings, run_id, "This run's dashboard page (loss curves, fault timeline), "
+                                    "served by the Crucible API.")
     out_dir = settings.work_dir.resolve() / "runs" / run_id
     try:
         summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps)
