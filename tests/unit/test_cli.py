@@ -119,6 +119,7 @@ def test_run_ends_with_a_summary_table_of_its_summary_json(tmp_path):
         assert len(row) == 1 and value in row[0], done.stdout
 
 
+@pytest.mark.slow   # ~28 s: a whole embedded sweep (Prefect + registry + 2 runs)
 def test_small_embedded_sweep_prints_no_traceback_or_prefect_notice(tmp_path):
     import os
 
