@@ -20,7 +20,8 @@ from crucible.config import Config
 from crucible.seeding import generator
 
 __all__ = ["FixedTensors", "fixed_tensors", "encode", "decode", "message_width", "wire_bytes",
-           "msign", "retract", "stiefel_step", "centred", "energy_kept", "largest_angle_deg"]
+           "msign", "retract", "stiefel_step", "stiefel_steps", "centred", "energy_kept", "largest_angle_deg",
+           "principal_angles_deg"]
 
 _SUBSPACE_STREAM = 0x55A5
 
@@ -116,13 +117,18 @@ def energy_kept(centred_x: torch.Tensor, basis: torch.Tensor) -> float:
     return float((flat @ basis.double()).pow(2).sum()) / total if total > 0 else float("nan")
 
 
-def largest_angle_deg(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest principal angle (degrees) between the column spaces of two orthonormal (d, k)
-    bases: arccos of the smallest singular value of A^T B."""
+def principal_angles_deg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All principal angles (degrees, ascending) between the column spaces of two (d, k)
+    bases: arccos of the singular values of Qa^T Qb (float64)."""
     qa, _ = torch.linalg.qr(a.double())
     qb, _ = torch.linalg.qr(b.double())
-    sigma = torch.linalg.svdvals(qa.T @ qb).clamp(max=1.0)
-    return float(torch.rad2deg(torch.arccos(sigma.min())))
+    sigma = torch.linalg.svdvals(qa.T @ qb).clamp(min=0.0, max=1.0)
+    return torch.rad2deg(torch.arccos(sigma))     # svdvals descend, so the angles ascend
+
+
+def largest_angle_deg(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest principal angle (degrees) between the column spaces of two (d, k) bases."""
+    return float(principal_angles_deg(a, b).max())
 
 
 def message_width(config: Config) -> int:
@@ -178,3 +184,27 @@ def stiefel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor
     keep = mask[:, None, None]
     momentum.copy_(torch.where(keep, new_momentum, momentum))
     basis.copy_(torch.where(keep, new_basis, basis))
+
+
+@torch.no_grad()
+def stiefel_steps(bases: list[torch.Tensor], grads: list[torch.Tensor],
+                  momenta: list[torch.Tensor], masks: list[torch.Tensor], *, lr: float,
+                  beta: float, steps: int) -> None:
+    """`stiefel_step` of several boundaries at once: their (R, d, k) bases, gradients, momenta
+    and (R,) masks are stacked into one (n R, d, k) batch, so the Newton-Schulz iterations run
+    as one batched matmul per iteration instead of one per boundary (every matrix is still
+    normalised and iterated on its own), and the results are copied back in place. All the
+    bases must have one shape."""
+    if not bases:
+        return
+    if len(bases) == 1:
+        stiefel_step(bases[0], grads[0], momenta[0], lr=lr, beta=beta, steps=steps, mask=masks[0])
+        return
+    basis = torch.cat(bases)
+    momentum = torch.cat(momenta)
+    stiefel_step(basis, torch.cat(grads), momentum, lr=lr, beta=beta, steps=steps,
+                 mask=torch.cat(masks))
+    for i, (b, m) in enumerate(zip(bases, momenta, strict=True)):
+        rows = slice(i * b.shape[0], (i + 1) * b.shape[0])
+        b.copy_(basis[rows])
+        m.copy_(momentum[rows])

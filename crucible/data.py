@@ -19,7 +19,7 @@ from crucible.config import ConfigError, DataConfig, ModelConfig
 from crucible.seeding import DATA_STREAM, generator
 
 __all__ = ["TokenData", "load_tokens", "count_tokens", "check_token_budget",
-           "check_config_budget"]
+           "check_config_budget", "token_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
         raise ConfigError(f"data.path={path!r} has token id {top} >= model.vocab_size="
                           f"{vocab_size}; set model.vocab_size to at least {top + 1}")
     return tokens
+
+
+def token_digest(tokens: np.ndarray) -> str:
+    """'sha256:<hex>' of the token stream's content (little-endian int64 ids): two runs trained on
+    the same corpus carry the same digest wherever the corpus lay on disk."""
+    import hashlib
+    return "sha256:" + hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
 def count_tokens(path: str | None) -> int:

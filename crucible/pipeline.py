@@ -106,12 +106,14 @@ class ReplicatedPipeline(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, *, bypass: torch.Tensor | None = None,
                 route: dict[int, torch.Tensor] | None = None, select: torch.Tensor | None = None,
                 passthrough: bool = False, per_sequence: bool = False,
-                taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                taps: dict[int, torch.Tensor] | None = None,
+                inputs: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Per-replica mean loss (R',) for ids/targets (R', B, T), or (R', B) per sequence.
 
         `passthrough=True` replaces every encode/decode by the identity (a reference model with
         the same weights and no codec, for tests). `taps`, when given, receives each boundary's
-        activation before encoding: {boundary s: X (R', B, T, d)}."""
+        activation before encoding: {boundary s: X (R', B, T, d)}; `inputs` each stage's residual
+        stream after decoding its message: {stage s > 0: X (R', B, T, d)}."""
         route = route or {}
         if bypass is not None and bypass.any():
             assert not bypass[:, 0].any() and not bypass[:, -1].any(), "only inner stages bypass"
@@ -126,6 +128,8 @@ class ReplicatedPipeline(nn.Module):
             if s > 0:
                 x = boundary.decode(kind, message, ids, receiver=params[s], stage=s,
                                     basis=self._decode_basis(params, s, bypass), fixed=fixed)
+                if inputs is not None:
+                    inputs[s] = x.detach()
             subspace = fixed.subspace if reparametrised(self.config, s) else None
             for layer in layers_of(self.config, s):
                 x = block_forward(params[s], layer, x, config=self.config, rope=rope, subspace=subspace)

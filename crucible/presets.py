@@ -7,7 +7,7 @@ setting (R=8, S=4, Chinchilla token budget) for a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from crucible.config import (
     Config,
@@ -50,7 +50,7 @@ def small() -> Config:
 
 
 def study() -> Config:
-    # The failure study at CPU scale (docs/RESULTS.md says how it was chosen): the smoke model,
+    # The first failure study at CPU scale (docs/RESULTS-d64.md says how it was chosen): the smoke model,
     # but H = 16 inner steps (near SparseLoCo's 15) so that every replica's pseudo-gradient
     # carries real progress and dropping a replica's tokens costs something, and 60 global steps
     # (0.98M tokens, ~0.2x a Chinchilla budget for 0.23M parameters: token-limited), decaying
@@ -64,6 +64,20 @@ def study() -> Config:
                           eval_every=60, eval_initial=False),
         faults=FaultConfig(duration=6),
     )
+
+
+def study_d128() -> Config:
+    # The decided study's preset (docs/RESULTS.md, "How the preset was chosen"): the study model
+    # twice as wide, so that the blog's compression factor 8 leaves 16 boundary dimensions
+    # instead of 8, at a lower peak learning rate (0.002: the wider model at 0.005 trained
+    # noisier); H = 16, 60 global steps (0.98M tokens, ~0.06x a Chinchilla budget for 0.85M
+    # parameters: token-limited). MAPL bypasses with the `sender` decode, the MAPL paper's own
+    # decode applied to a bypassed message (docs/ALGORITHMS.md).
+    config = study()
+    return replace(config, preset="study-d128",
+                   model=replace(config.model, d_model=128),
+                   pipeline=replace(config.pipeline, bypass_decode="sender"),
+                   train=replace(config.train, lr=2e-3))
 
 
 def paper_178m() -> Config:
@@ -93,8 +107,11 @@ class PresetInfo:
 PRESETS: dict[str, PresetInfo] = {
     "smoke": PresetInfo(smoke, "tiny model for tests and demos", "~10 s"),
     "small": PresetInfo(small, "loss curves that mean something", "~3 min"),
-    "study": PresetInfo(study, "the failure study's preset (docs/RESULTS.md), R=8 S=4 H=16",
+    "study": PresetInfo(study, "the first failure study's preset (docs/RESULTS-d64.md), R=8 S=4 "
+                        "H=16",
                         "~1 min"),
+    "study-d128": PresetInfo(study_d128, "the decided study's preset (docs/RESULTS.md): the "
+                             "study at d_model 128, lr 0.002", "~2.2 min"),
     "paper-178m": PresetInfo(paper_178m, "the blog's 178M, R=8 S=4, Chinchilla tokens (GPU)",
                              "days; use a GPU"),
 }

@@ -68,6 +68,7 @@ BLOG_SKIP: dict[tuple[str, float], float] = {
 }
 BLOG_DROP = "+3.4-3.6%"
 CLAIM_PS: tuple[float, ...] = (0.1, 0.2)                        # Table 1's failure rates
+LOW_P = 0.01      # the seed texts' reading of the blog: "at 1% ... stays close to baseline"
 NOISE_FLOOR_Z = 1.96      # one seed's value lies within ± 1.96 sd of its cell's mean (95%)
 MAX_RESULT_BYTES = 50_000
 # Dropped, in this order, from a summary that is over MAX_RESULT_BYTES (render needs none).
@@ -77,8 +78,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
 
 _SPEC_KEYS = {"name", "preset", "seeds", "set", "grid", "title", "notes", "results_dir",
-              "runs_dir", "document", "figures_dir", "close_margin", "resolve_threshold"}
-_BLOCK_KEYS = {"arms", "strategies", "p", "set", "label"}
+              "runs_dir", "document", "figures_dir", "close_margin", "resolve_threshold",
+              "equivalence_margin",
+              "pilots", "token_check", "scale"}
+_BLOCK_KEYS = {"arms", "strategies", "p", "set", "label", "seeds"}
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
@@ -103,6 +106,7 @@ class Block:
     ps: tuple[float, ...]
     sets: tuple[str, ...] = ()
     label: str = ""
+    seeds: tuple[int, ...] | None = None     # None: the spec's seeds
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,16 @@ class Spec:
     figures_dir: Path = Path()
     close_margin: float = 0.5
     resolve_threshold: float = 0.5
+    equivalence_margin: float = 0.5        # claim (e): "within ± this of the baseline"
+    pilots: tuple[Path, ...] = ()
+    token_check: tuple[Path, ...] = ()     # (half the tokens, the full run) pilot specs
+    scale: tuple[Path, ...] = ()           # specs running some of its cells at a larger model
+
+    @property
+    def all_seeds(self) -> tuple[int, ...]:
+        """The spec's seeds, then any more that a block asks for, in that order."""
+        extra = sorted({s for b in self.blocks for s in (b.seeds or ()) if s not in self.seeds})
+        return self.seeds + tuple(extra)
 
     @property
     def root(self) -> Path:
@@ -229,8 +243,21 @@ def _block(index: int, data: Any, path: Path) -> Block:
     if label and not sets:
         raise StudyError(f"{where}: label {label!r} without `set` overrides would name the same "
                          "runs as the unlabelled cells; remove the label or add `set`")
+    seeds = data.get("seeds")
+    if seeds is not None:
+        seeds = tuple(_seed_list(seeds, f"{where}.seeds"))
     return Block(index=index, arms=arms, strategies=strategies, ps=tuple(ps), sets=sets,
-                 label=label)
+                 label=label, seeds=seeds)
+
+
+def _seed_list(seeds: Any, where: str) -> list[int]:
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+        raise StudyError(f"{where} must be a non-empty list of integers >= 0, "
+                         f"e.g. [0, 1, 2, 3, 4]; got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise StudyError(f"{where} lists a seed twice: {seeds}")
+    return seeds
 
 
 def load_spec(path: str | os.PathLike[str]) -> Spec:
@@ -262,13 +289,7 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     if not isinstance(preset, str) or preset not in PRESETS:
         raise StudyError(f"{_where(path, 'preset')}: unknown preset {preset!r}; choose one of: "
                          f"{', '.join(PRESETS)}")
-    seeds = data["seeds"]
-    if (not isinstance(seeds, list) or not seeds
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
-        raise StudyError(f"{_where(path, 'seeds')} must be a non-empty list of integers >= 0, "
-                         f"e.g. [0, 1, 2, 3, 4]; got {seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        raise StudyError(f"{_where(path, 'seeds')} lists a seed twice: {seeds}")
+    seeds = _seed_list(data["seeds"], _where(path, "seeds"))
     grid = data["grid"]
     if not isinstance(grid, list) or not grid:
         raise StudyError(f"{_where(path, 'grid')} must be one or more [[grid]] blocks")
@@ -291,9 +312,25 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
                              f"folder), got {value!r}")
         paths[key] = Path(os.path.normpath(folder / value))
     numbers = {key: _number(data.get(key, 0.5), _where(path, key))
-               for key in ("close_margin", "resolve_threshold")}
+               for key in ("close_margin", "resolve_threshold", "equivalence_margin")}
+    listed: dict[str, list[Path]] = {}
+    for key, example in (("pilots", '["pilot-w128-lr2.toml"]'),
+                         ("token_check", '["pilot-half.toml", "pilot-full.toml"]'),
+                         ("scale", '["scale-d256.toml"]')):
+        listed[key] = []
+        for item in _str_list(data.get(key, []), _where(path, key), example):
+            pilot = Path(os.path.normpath(folder / item))
+            if not pilot.is_file() or pilot == path.resolve():
+                raise StudyError(f"{_where(path, key)}: {item!r} is not another study spec "
+                                 f"(looked for {pilot}); list other specs relative to this file")
+            listed[key].append(pilot)
+    if listed["token_check"] and len(listed["token_check"]) != 2:
+        raise StudyError(f"{_where(path, 'token_check')} must name two specs: the preset's "
+                         "baselines with half the global steps, then with all of them")
     spec = Spec(path=path.resolve(), name=name, preset=preset, seeds=tuple(seeds), blocks=blocks, sets=sets,
-                title=texts["title"], notes=texts["notes"], **paths, **numbers)
+                title=texts["title"], notes=texts["notes"], pilots=tuple(listed["pilots"]),
+                token_check=tuple(listed["token_check"]), scale=tuple(listed["scale"]),
+                **paths, **numbers)
     # Every distinct configuration must be valid before anything runs.
     base = get_preset(preset)
     checked: set[tuple[str, ...]] = set()
@@ -376,7 +413,12 @@ def expand_cells(spec: Spec, seeds: Iterable[int] | None = None) -> list[Cell]:
     cells (skip/drop at p = 0.1 and 0.2) for every seed, then the rest; seed-major within a
     tier so that an interrupted grid has whole seeds. p = 0 in a block means the shared
     baseline. Raises `StudyError` when two blocks give one cell id different overrides."""
-    chosen = tuple(spec.seeds if seeds is None else seeds)
+    wanted = None if seeds is None else set(seeds)
+    chosen = tuple(s for s in spec.all_seeds if wanted is None or s in wanted)
+
+    def of(block: Block) -> list[int]:
+        return [s for s in (block.seeds or spec.seeds) if s in chosen]
+
     cells: dict[str, Cell] = {}
 
     def add(cell: Cell) -> None:
@@ -388,9 +430,12 @@ def expand_cells(spec: Spec, seeds: Iterable[int] | None = None) -> list[Cell]:
         cells.setdefault(cell.id, cell)
 
     arms = [a for a in ARMS if any(a in b.arms for b in spec.blocks)]
+    # an arm's baselines: every seed that one of its blocks runs
+    arm_seeds = {a: {s for b in spec.blocks if a in b.arms for s in of(b)} for a in arms}
     for seed in chosen:
         for arm in arms:
-            add(Cell(GridKey(arm, "base", 0.0), seed, spec.sets, None, 0))
+            if seed in arm_seeds[arm]:
+                add(Cell(GridKey(arm, "base", 0.0), seed, spec.sets, None, 0))
     for block in spec.blocks:
         for arm in block.arms:
             for strategy in block.strategies:
@@ -398,7 +443,7 @@ def expand_cells(spec: Spec, seeds: Iterable[int] | None = None) -> list[Cell]:
                     if p == 0.0:
                         continue
                     key = GridKey(arm, strategy, p, block.label)
-                    for seed in chosen:
+                    for seed in of(block):
                         add(Cell(key, seed, spec.sets + block.sets, block.index, _tier(key)))
     order = {s: i for i, s in enumerate(chosen)}
     return sorted(cells.values(), key=lambda c: (c.tier, order[c.seed], _key_order(c.key)))
@@ -455,9 +500,28 @@ def slim_summary(summary: dict[str, Any], limit: int = MAX_RESULT_BYTES
     return kept, dropped
 
 
+def portable(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary without this machine's paths, as committed results keep it: `store_url` (the
+    run folder's own store) is left out, and `config.data.path` becomes null when the run's
+    `data_digest` is the default corpus's, else its file name alone (the digest says which
+    corpus it was, wherever it lay)."""
+    kept = {k: v for k, v in summary.items() if k != "store_url"}
+    config = kept.get("config")
+    data = config.get("data") if isinstance(config, dict) else None
+    path = data.get("path") if isinstance(data, dict) else None
+    if isinstance(path, str):
+        from crucible.data import load_tokens, token_digest
+
+        default = token_digest(load_tokens(None, vocab_size=config["model"]["vocab_size"]))
+        name = None if summary.get("data_digest") == default else Path(path).name
+        kept["config"] = {**config, "data": {**data, "path": name}}
+    return kept
+
+
 def keep_result(spec: Spec, cell: Cell, summary: dict[str, Any], *, jobs: int) -> Path:
-    """Copy a finished run's summary into the results folder (write, then rename)."""
-    kept, dropped = slim_summary(summary)
+    """Copy a finished run's summary, `portable`, into the results folder (write, then
+    rename)."""
+    kept, dropped = slim_summary(portable(summary))
     kept["study"] = {"spec": spec.name, "cell": cell.id, "machine": machine_description(),
                      "jobs": jobs, "dropped_fields": dropped}
     path = result_path(spec, cell)
@@ -713,9 +777,6 @@ class StudyData:
     def grid(self) -> list[GridKey]:
         return [k for k in self.keys if not k.is_baseline]
 
-    def expected_seeds(self) -> int:
-        return len(self.spec.seeds)
-
     def find(self, arm: str, strategy: str, p: float, label: str = "") -> GridKey | None:
         key = GridKey(arm, strategy, p, label)
         return key if key in self.keys else None
@@ -754,6 +815,17 @@ class Comparison:
     label: str
     stat: Stat
     status: str          # "supports", "contradicts", "unresolved", "missing"
+    margin: float | None = None     # band rules: the band's half-width; sign rules: None
+
+    @property
+    def seeds_to_decide(self) -> int | None:
+        """Seeds its measured mean and sd say would decide it (None: over MAX_SEEDS, or no
+        sd yet); only meaningful while it is unresolved."""
+        from crucible.precision import seeds_to_decide
+
+        if self.stat.mean is None or self.stat.sd is None:
+            return None
+        return seeds_to_decide(self.stat.mean, self.stat.sd, margin=self.margin)
 
 
 @dataclass(frozen=True)
@@ -778,6 +850,16 @@ class Claim:
 
     def count(self, status: str) -> int:
         return sum(1 for c in self.comparisons if c.status == status)
+
+    def seeds_to_decide(self) -> tuple[int, int] | None:
+        """(seeds, comparisons over MAX_SEEDS) that would decide every unresolved comparison
+        if their means and sds stay as measured; None when none is unresolved."""
+        open_ = [c for c in self.comparisons if c.status == "unresolved"]
+        if not open_:
+            return None
+        needs = [c.seeds_to_decide for c in open_]
+        known = [n for n in needs if n is not None]
+        return (max(known) if known else 0), sum(1 for n in needs if n is None)
 
 
 def _sign_status(s: Stat, expect: str) -> str:
@@ -865,7 +947,8 @@ def _arm_pairs(data: StudyData, arm: str, others: Sequence[str]
 
 
 def evaluate_claims(data: StudyData) -> list[Claim]:
-    """The blog's four claims, each decided by an explicit rule on paired 95% intervals."""
+    """The blog's four claims (a)-(d) and the seed texts' reading of it at p = 0.01 (e), each
+    decided by an explicit rule on paired 95% intervals."""
     margin = data.spec.close_margin
     a = tuple(Comparison(f"{ARM_LABEL[arm]}, p = {p:g}", s, _sign_status(s, "below"))
               for arm, p, s in skip_minus_drop(data))
@@ -873,8 +956,12 @@ def evaluate_claims(data: StudyData) -> list[Claim]:
               for arm, strategy, _, s in growth_slopes(data))
     c = tuple(Comparison(f"SSN - {ARM_LABEL[other]}, p = {p:g}", s, _sign_status(s, "below"))
               for other, p, s in _arm_pairs(data, "ssn", ("mapl", "none")))
-    d = tuple(Comparison(f"MAPL - uncompressed, p = {p:g}", s, _band_status(s, margin))
+    d = tuple(Comparison(f"MAPL - uncompressed, p = {p:g}", s, _band_status(s, margin), margin)
               for _, p, s in _arm_pairs(data, "mapl", ("none",)))
+    band = data.spec.equivalence_margin
+    e = tuple(Comparison(f"{ARM_LABEL[arm]}, skip, p = {LOW_P:g}", s, _band_status(s, band), band)
+              for arm in ARMS for key in [data.find(arm, "skip", LOW_P)] if key is not None
+              for s in [data.stat(key)])
     blog_b = ", ".join(f"{ARM_LABEL[arm]} +{BLOG_SKIP[(arm, 0.1)]:.1f} -> "
                        f"+{BLOG_SKIP[(arm, 0.2)]:.1f}%" for arm in TABLE1_ARMS)
     blog_c = "; ".join(f"p = {p:g}: SSN +{BLOG_SKIP[('ssn', p)]:.1f}% vs MAPL "
@@ -907,6 +994,15 @@ def evaluate_claims(data: StudyData) -> list[Claim]:
               f"and 0.2 (skip), agrees if the 95% interval of the paired difference MAPL - "
               f"uncompressed lies inside [-{margin:g}, +{margin:g}]; disagrees if it lies "
               f"entirely outside that band; not resolved otherwise", d),
+        Claim("e", f"at p = {LOW_P:g} the loss stays within ±{band:g} points of its baseline "
+              "(the seed texts' reading)",
+              "\"at a 1% failure probability per replica per global step, validation loss "
+              "stays close to baseline\" (two of the three seed texts)",
+              "degradation under skip, points",
+              f"an equivalence test: per arm at p = {LOW_P:g} (skip), agrees if the 95% interval "
+              f"of the degradation lies inside [-{band:g}, +{band:g}] (the spec's "
+              "equivalence_margin; stricter than the usual two one-sided tests, which use a 90% "
+              "interval); disagrees if it lies entirely outside; not resolved otherwise", e),
     ]
 
 
@@ -969,9 +1065,8 @@ def _setting(data: StudyData) -> dict[str, Any]:
     if config is None:
         from crucible.config import apply_overrides
         config = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets))
-    varying = ("seed", "pipeline", "faults")
-    shapes = {json.dumps({k: v for k, v in r["config"].items() if k not in varying},
-                         sort_keys=True) for r in runs}
+    shapes = {_shape(r) for r in runs}
+    digests = {r["data_digest"] for r in runs if r.get("data_digest")}
     shas: dict[str, int] = {}
     machines: dict[str, int] = {}
     for run in runs:
@@ -984,8 +1079,24 @@ def _setting(data: StudyData) -> dict[str, Any]:
     tokens = tokens_per_global_step(config) * config.train.global_steps
     return {"config": config, "source": source, "params": params, "tokens": tokens,
             "chinchilla": tokens / (20.0 * params), "shapes": len(shapes), "shas": shas,
-            "machines": machines, "runs": len(runs),
+            "machines": machines, "runs": len(runs), "digests": sorted(digests),
+            "undigested": sum(1 for r in runs if not r.get("data_digest")),
             "wall_s": math.fsum(float(r["wall_s"]) for r in runs)}
+
+
+def _shape(run: Mapping[str, Any]) -> str:
+    """A run's configuration beyond what the grid varies (seed, arm, p, strategy, decode) and
+    beyond where its corpus lay: corpora are compared by content (`data_digest`), never by
+    path."""
+    varying = ("seed", "pipeline", "faults")
+    config = {k: v for k, v in run["config"].items() if k not in varying}
+    if isinstance(config.get("data"), dict):
+        data = {k: v for k, v in config["data"].items() if k != "path"}
+        path = config["data"].get("path")
+        if not run.get("data_digest") and isinstance(path, str):
+            data["file"] = Path(path).name    # no digest: the file's name is all there is
+        config["data"] = data
+    return json.dumps(config, sort_keys=True)
 
 
 def _duration(seconds: float) -> str:
@@ -1036,6 +1147,11 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
               f"{_verdict_word(by_tag['b'])}, \"SSN degrades least\" is "
               f"{_verdict_word(by_tag['c'])}, and \"MAPL is close to uncompressed\" (within "
               f"±{spec.close_margin:g} points) is {_verdict_word(by_tag['d'])}.")
+    e = by_tag["e"]
+    second += (f" The seed texts' \"at p = {LOW_P:g} the loss stays close to baseline\" (within "
+               f"±{spec.equivalence_margin:g} points) is "
+               + (f"{_verdict_word(e)}." if e.comparisons else
+                  f"not tested: p = {LOW_P:g} is not in this grid."))
     ns = sorted({data.stat(k).n for k in data.grid()} - {0})
     seeds = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
     run = sum(1 for k in data.grid() if data.stat(k).n)
@@ -1106,7 +1222,7 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
             "- Degradation: 100 (L - L0) / L0 of the final validation loss (the whole held-out "
             "split), L0 being the same arm's p = 0 run with the same seed; means over seeds with "
             "a 95% Student-t interval (one seed: no interval).",
-            f"- Seeds: {', '.join(str(s) for s in spec.seeds)} in the spec; per cell: "
+            f"- Seeds: {', '.join(str(s) for s in spec.all_seeds)} in the spec; per cell: "
             + (", ".join(f"{c} cell{'s' if c != 1 else ''} with {n}"
                          for n, c in sorted(seeds_per_cell.items(), reverse=True)) or "none") + ".",
             f"- Grid: {expected} runs ({len(data.keys)} cells x seeds, baselines included); "
@@ -1126,9 +1242,25 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         out.append(f"- Warning: the results come from {setting['shapes']} different "
                    "configurations (beyond seed, arm, p and strategy); they are not one study. "
                    "Delete the stale files and run them again.")
+    if len(setting["digests"]) > 1:
+        out.append(f"- Warning: the results were trained on {len(setting['digests'])} different "
+                   "corpora (by content, `data_digest`); they are not one study.")
+    elif setting["digests"]:
+        out.append(f"- Corpus: `{setting['digests'][0][:19]}...` (the token stream's "
+                   f"`data_digest`) in every run that records one"
+                   + (f"; {setting['undigested']} runs made before digests were recorded do "
+                      "not" if setting["undigested"] else "") + ".")
     if spec.notes:
         out += ["", spec.notes]
     out.append("")
+    if spec.pilots:
+        from crucible.pilot import pilot_rows, pilot_section
+
+        out += pilot_section(spec, pilot_rows(spec), ARM_LABEL)
+    if spec.token_check:
+        from crucible.pilot import token_section
+
+        out += token_section(spec, ARM_LABEL)
 
     # Table 1
     out += ["## Table 1: skip, increase of the final validation loss over p = 0", "",
@@ -1153,9 +1285,10 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
 
     # All cells
     out += ["## All cells", "",
-            "Degradation in % of the same-seed baseline's final loss; half-width in points; tokens "
-            "processed as a share of the budget and replica-steps with a stage down, means over "
-            "seeds.", ""]
+            "Degradation in % of the same-seed baseline's final loss; half-width in points; the "
+            f"seeds its measured sd says a ±{spec.resolve_threshold:g}-point 95% interval needs; "
+            "tokens processed as a share of the budget and replica-steps with a stage down, means "
+            "over seeds.", ""]
     rows = []
     for key in data.grid():
         s = data.stat(key)
@@ -1166,10 +1299,12 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         rows.append([ARM_LABEL[key.arm], key.strategy, _variant(key), f"{key.p:g}", n_text,
                      "not run yet" if s.mean is None else f"{s.mean:+.2f}%",
                      _ci(s) if s.n != 1 else "n=1, no interval", _num(s.half),
+                     _seeds_for_target(s, spec.resolve_threshold),
                      "-" if share is None else f"{100 * share:.1f}%",
                      "-" if down is None else f"{100 * down:.1f}%"])
     out += _table(["arm", "strategy", "variant", "p", "n", "mean", "95% CI", "half-width",
-                   "tokens processed", "replica-steps down"], rows)
+                   f"seeds for ±{spec.resolve_threshold:g}", "tokens processed",
+                   "replica-steps down"], rows)
     out.append("")
 
     # Baselines
@@ -1195,6 +1330,13 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
 
     # Extras
     out += _extras(data, img)
+    from crucible.alignment_study import alignment_section
+
+    out += alignment_section(data, ARM_LABEL, img.get("alignment"))
+    if spec.scale:
+        from crucible.scale import scale_section
+
+        out += scale_section(data, ARM_LABEL)
 
     # Claims
     out += ["## The blog's claims", "",
@@ -1204,16 +1346,22 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     rows = []
     for claim in claims:
         rows.append([f"({claim.tag}) {claim.title}", claim.blog, _claim_summary(claim),
-                     f"**{claim.verdict}**"])
-    out += _table(["claim", "blog", "Crucible (95% CI)", "agrees?"], rows)
+                     f"**{claim.verdict}**", _seeds_needed(claim)])
+    out += _table(["claim", "blog", "Crucible (95% CI)", "agrees?",
+                   "seeds that would decide it"], rows)
+    out += ["", "\"Seeds that would decide it\": for a claim not resolved, the seeds after which "
+            "every open comparison's 95% interval would clear its boundary if its mean and sd "
+            "stayed as measured (crucible.precision; the sd of n seeds is itself uncertain, "
+            "about ±30% at 6 seeds, so read it as a size, not a count)."]
     out += ["", "Rules:", ""]
     out += [f"- ({c.tag}) {c.rule}." for c in claims]
     out.append("")
     for claim in claims:
         out += [f"### ({claim.tag}) {claim.title}", "", f"Quantity: {claim.quantity}.", ""]
-        out += _table(["comparison", "n", "mean [95% CI]", "reads as"],
-                      [[c.label, str(c.stat.n), _pts(c.stat), c.status]
-                       for c in claim.comparisons] or [["-", "0", "not run yet", "missing"]])
+        out += _table(["comparison", "n", "mean [95% CI]", "reads as", "seeds to decide"],
+                      [[c.label, str(c.stat.n), _pts(c.stat), c.status, _decide_text(c)]
+                       for c in claim.comparisons]
+                      or [["-", "0", "not in the grid or not run yet", "missing", "-"]])
         out.append("")
 
     # What agrees, what does not
@@ -1262,6 +1410,37 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     return "\n".join(out)
 
 
+def _seeds_for_target(s: Stat, target: float) -> str:
+    from crucible.precision import MAX_SEEDS, seeds_for_half_width
+
+    if s.sd is None:
+        return "-"
+    n = seeds_for_half_width(s.sd, target)
+    return f"> {MAX_SEEDS}" if n is None else str(n)
+
+
+def _decide_text(c: Comparison) -> str:
+    from crucible.precision import MAX_SEEDS
+
+    if c.status != "unresolved":
+        return "-"
+    n = c.seeds_to_decide
+    return f"> {MAX_SEEDS}" if n is None else str(n)
+
+
+def _seeds_needed(claim: Claim) -> str:
+    from crucible.precision import MAX_SEEDS
+
+    need = claim.seeds_to_decide()
+    if need is None:
+        return "-"
+    n, beyond = need
+    if beyond and not n:
+        return f"> {MAX_SEEDS}"
+    return str(n) + (f" ({beyond} comparison{'s' if beyond != 1 else ''} > {MAX_SEEDS})"
+                     if beyond else "")
+
+
 def _cell_name(key: GridKey) -> str:
     parts = [ARM_LABEL[key.arm], key.strategy, f"p = {key.p:g}"]
     if key.label:
@@ -1275,7 +1454,7 @@ def _claim_summary(claim: Claim) -> str:
         return "not run yet"
     counts = ", ".join(f"{claim.count(k)} {k}" for k in ("supports", "unresolved", "contradicts",
                                                          "missing") if claim.count(k))
-    if claim.tag == "d":
+    if claim.tag in ("d", "e"):
         worst = max(stats, key=lambda c: max(abs(c.stat.lo or 0.0), abs(c.stat.hi or 0.0)))
     elif claim.tag == "b":
         worst = min(stats, key=lambda c: c.stat.lo if c.stat.lo is not None else math.inf)
@@ -1358,7 +1537,8 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
 
 def figure_files(spec: Spec) -> dict[str, Path]:
     return {"figure3": spec.figures_dir / f"{spec.name}-figure3.png",
-            "extras": spec.figures_dir / f"{spec.name}-extras.png"}
+            "extras": spec.figures_dir / f"{spec.name}-extras.png",
+            "alignment": spec.figures_dir / f"{spec.name}-alignment.png"}
 
 
 _COLORS = {"none": "#0072B2", "ssn": "#D55E00", "mapl": "#009E73"}
@@ -1458,7 +1638,13 @@ def build_figures(data: StudyData) -> dict[str, Any]:
                                 + " (95% intervals over seeds)", "x": 0.01},
                          yaxis_title="final val loss vs p = 0 (%)", width=1200, height=480,
                          margin={"l": 80, "r": 30, "t": 70, "b": 150}, showlegend=True)
-    return {"figure3": fig, "extras": extras}
+    figures = {"figure3": fig, "extras": extras}
+    from crucible.alignment_study import alignment_figure
+
+    aligned = alignment_figure(data, _COLORS, ARM_LABEL, _FONT)
+    if aligned is not None:
+        figures["alignment"] = aligned
+    return figures
 
 
 def write_figures(figures: Mapping[str, Any], paths: Mapping[str, Path], *, scale: int = 2
@@ -1591,10 +1777,10 @@ def _parse_seeds(text: str | None, spec: Spec) -> list[int] | None:
     except ValueError:
         raise StudyError(f"--seeds must be comma-separated integers such as 0,1; got {text!r}"
                          ) from None
-    unknown = [s for s in seeds if s not in spec.seeds]
+    unknown = [s for s in seeds if s not in spec.all_seeds]
     if not seeds or unknown:
         raise StudyError(f"--seeds {text!r}: choose from the spec's seeds "
-                         f"{','.join(str(s) for s in spec.seeds)}")
+                         f"{','.join(str(s) for s in spec.all_seeds)}")
     return seeds
 
 

@@ -26,7 +26,7 @@ from crucible import boundary
 from crucible.bypass import MODEL_FILE, save_global_weights
 from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
 from crucible.config import Config, ConfigError
-from crucible.data import TokenData, check_token_budget, load_tokens
+from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
 from crucible.errors import TrainingDiverged
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
@@ -70,6 +70,7 @@ class Trainer:
         self.device = resolve_device(config.train.device)
         self.R, self.S, self.H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
         tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
+        self.data_digest = token_digest(tokens)
         self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
                               seed=config.seed)
         check_token_budget(len(self.data.train),
@@ -128,6 +129,10 @@ class Trainer:
         summary["eval_tokens"] = self.eval_tokens
         if self.config.pipeline.compression == "mapl":
             summary["mapl_bases"] = self.basis_report()
+        if self.S > 2:
+            from crucible.alignment import alignment_report
+            summary["alignment"] = alignment_report(self)
+            summary.setdefault("timing", {})["alignment_s"] = summary["alignment"].pop("seconds")
         return summary
 
     @torch.no_grad()
@@ -278,12 +283,14 @@ class Trainer:
         self._clip()
         self.optimizer.step(lr=lr, active=active)
         pipe = self.config.pipeline
-        for s, momentum in self.stiefel_momentum.items():
-            basis = self.model.stage_params(s)["basis"]
-            if basis.grad is not None:
-                boundary.stiefel_step(basis.data, basis.grad, momentum, lr=lr * pipe.mapl_lr_scale,
-                                      beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps,
-                                      mask=active[:, s])
+        moving = [(s, self.model.stage_params(s)["basis"]) for s in self.stiefel_momentum]
+        moving = [(s, basis) for s, basis in moving if basis.grad is not None]
+        # every boundary's SPEL step in one batch (the matrices are still iterated one by one)
+        boundary.stiefel_steps([basis.data for _, basis in moving],
+                               [basis.grad for _, basis in moving],
+                               [self.stiefel_momentum[s] for s, _ in moving],
+                               [active[:, s] for s, _ in moving], lr=lr * pipe.mapl_lr_scale,
+                               beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps)
         self.model.zero_grad(set_to_none=True)
 
     def _clip(self) -> None:
@@ -477,6 +484,7 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
         # per-window final losses: paired comparisons between runs on the same windows
         torch.save(trainer.last_window_losses.float(), out / "val_windows.pt")
     summary["versions"] = _versions(trainer.device)
+    summary["data_digest"] = trainer.data_digest   # the corpus by content, never by path
     summary["run_key"] = run_key
     summary["store_url"] = store_url
     write_json_atomic(out / "summary.json", summary)

@@ -52,7 +52,8 @@ def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
 
 
 RESULTS_POINTER = ("the study's numbers, with 95% intervals over seeds: docs/RESULTS.md "
-                   "(`crucible study render studies/table1.toml`)")
+                   "(`crucible study render studies/table1-d128.toml`; the complete d_model 64 "
+                   "study: docs/RESULTS-d64.md)")
 
 
 def _cell_text(cell: dict[str, Any] | None, p: float, floor: float | None) -> str:
@@ -77,9 +78,9 @@ def _caption(one_seed: bool, floor: float | None) -> str | None:
         return None
     if floor is None:
         return ("1 seed: no interval, and no noise floor to compare with (the failure study's "
-                "results/table1 is absent); see docs/RESULTS.md")
+                "results/table1 is absent); see docs/RESULTS-d64.md")
     return (f"1 seed: no interval. ±{floor:.1f} points is the one-seed noise floor the failure "
-            "study measured with its own preset (docs/RESULTS.md); a shorter preset's noise is "
+            "study measured with its own preset (docs/RESULTS-d64.md); a shorter preset's noise is "
             "likely larger, so a value below it cannot be told from 0")
 
 

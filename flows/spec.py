@@ -26,7 +26,7 @@ __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "Cell", "expand_gri
 
 Arm = Literal["none", "ssn", "mapl"]
 StrategyName = Literal["skip", "drop", "drop_extend", "reroute"]
-PresetName = Literal["smoke", "small", "study", "paper-178m"]
+PresetName = Literal["smoke", "small", "study", "study-d128", "paper-178m"]
 
 ARMS: tuple[str, ...] = get_args(Arm)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)

@@ -49,7 +49,7 @@ def test_presets_lists_every_preset():
     done = _crucible("presets", "--json")
     assert done.returncode == 0, done.stderr
     names = [row["name"] for row in json.loads(done.stdout)]
-    assert names == ["smoke", "small", "study", "paper-178m"]
+    assert names == ["smoke", "small", "study", "study-d128", "paper-178m"]
 
 
 def _invoke_80_columns(*args):

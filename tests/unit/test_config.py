@@ -70,7 +70,7 @@ def test_overrides_round_trip_through_dict():
 
 
 def test_unknown_preset_lists_names():
-    with pytest.raises(ConfigError, match=r"choose one of: smoke, small, study, paper-178m"):
+    with pytest.raises(ConfigError, match=r"choose one of: smoke, small, study, study-d128, paper-178m"):
         get_preset("huge")
 
 

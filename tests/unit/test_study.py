@@ -121,7 +121,7 @@ def test_committed_spec_parses_into_the_issue_grid() -> None:
     labels = {k.label for k in keys if k.label}
     assert labels == {"decode_sender", "decode_receiver"}
     assert spec.results_dir == REPO / "results" / "table1"
-    assert spec.document == REPO / "docs" / "RESULTS.md"
+    assert spec.document == REPO / "docs" / "RESULTS-d64.md"
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -598,15 +598,14 @@ def test_figures_render_to_png(spec: study.Spec, tmp_path: Path) -> None:
 # the committed study
 # ---------------------------------------------------------------------------------------------
 
-def test_committed_results_document_matches_the_committed_data() -> None:
-    spec = study.load_spec(REPO / "studies" / "table1.toml")
-    if not spec.results_dir.is_dir():
-        pytest.skip(f"{spec.shown(spec.results_dir)}/ does not exist yet: run `crucible study run "
-                    "studies/table1.toml`, then `crucible study render studies/table1.toml`")
+@pytest.mark.parametrize("name", ["table1.toml", "table1-d128.toml"])
+def test_committed_results_document_matches_the_committed_data(name: str) -> None:
+    spec = study.load_spec(REPO / "studies" / name)
     expected = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
     committed = spec.document.read_text(encoding="utf-8")
-    assert committed == expected, ("docs/RESULTS.md differs from what results/table1 renders: "
-                                   "run `crucible study render studies/table1.toml`")
+    assert committed == expected, (f"{spec.shown(spec.document)} differs from what "
+                                   f"{spec.shown(spec.results_dir)} renders: run "
+                                   f"`crucible study render studies/{name}`")
 
 
 @pytest.mark.slow

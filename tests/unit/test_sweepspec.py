@@ -90,7 +90,7 @@ def test_schema_renders_dropdowns_and_descriptions() -> None:
     schema = SweepSpec.model_json_schema()
     props = schema["properties"]
     assert all(prop.get("description") for prop in props.values())
-    assert props["preset"]["enum"] == ["smoke", "small", "study", "paper-178m"]
+    assert props["preset"]["enum"] == ["smoke", "small", "study", "study-d128", "paper-178m"]
     assert props["arms"]["items"]["enum"] == ["none", "ssn", "mapl"]
 
 

@@ -18,7 +18,7 @@ def test_both_deployments_and_the_sweep_form() -> None:
     schema = sweep._parameter_openapi_schema.model_dump()
     spec = _resolve(schema, schema["properties"]["spec"])
     props = spec["properties"]
-    assert props["preset"]["enum"] == ["smoke", "small", "study", "paper-178m"]
+    assert props["preset"]["enum"] == ["smoke", "small", "study", "study-d128", "paper-178m"]
     assert props["arms"]["items"]["enum"] == ["none", "ssn", "mapl"]
     assert props["strategies"]["items"]["enum"] == ["skip", "drop", "drop_extend", "reroute"]
     assert all(p.get("description") for p in props.values())

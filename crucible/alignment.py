@@ -1,0 +1,167 @@
+"""How compatible each inner stage's input and output are: the alignment hypothesis, measured.
+
+The blog's explanation of SSN's robustness is that fixed shared projections keep every stage
+boundary in one coordinate system, so that skipping a stage hurts less. `alignment_report`
+measures, on a trained model's global weights and a fixed set of held-out windows (evenly
+spaced over the split, as every evaluation's are), for every inner stage s (the ones that can
+fail):
+
+- `cka`: linear CKA (Kornblith et al. 2019) between the residual stream entering stage s (after
+  its message is decoded) and leaving it (before it is encoded for the next boundary): 1 when
+  the stage's output is a scaled rotation of its input, lower the more the stage re-represents
+  it;
+- `update_ratio`: ||X_out - X_in||_F / ||X_in||_F, the size of the stage's contribution relative
+  to what it receives. A skip removes exactly this contribution in the uncompressed and SSN arms
+  (SSN's residual writes all lie in its fixed subspace); under MAPL the next stage sees the
+  stage's output only through the boundary bases and anchors, so a skip removes what of it
+  crosses;
+- `angle_mean_deg` / `angle_max_deg` (MAPL): principal angles between the basis of the boundary
+  that feeds the stage (A_{s-1}) and the one it sends over (A_s); SSN's boundaries share one
+  basis (0 degrees) and the uncompressed arm has none;
+- `bypass_damage_pct`: the instant damage of skipping the stage, forward only, on the same
+  windows (the run's own `pipeline.bypass_decode`; MAPL also lists every decode option), with its
+  standard error over windows (`crucible bypass-damage` does the same on the whole split).
+
+The moments CKA needs are summed batch by batch (float64, d x d), so the report's memory does
+not grow with the number of windows. Every run records it in its summary (`alignment`; its
+seconds in `timing.alignment_s`, outside `wall_s`), so the study can test across arms and
+seeds whether these numbers predict the trained degradation under skip.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["alignment_report", "linear_cka", "CkaMoments", "ALIGNMENT_WINDOWS"]
+
+ALIGNMENT_WINDOWS = 1024
+
+
+class CkaMoments:
+    """Running sums for linear CKA between paired rows of X and Y (N x d each, float64)."""
+
+    def __init__(self, d: int, device: torch.device) -> None:
+        z = dict(dtype=torch.float64, device=device)
+        self.n = 0
+        self.sx, self.sy = torch.zeros(d, **z), torch.zeros(d, **z)
+        self.xx, self.yy, self.yx = (torch.zeros(d, d, **z) for _ in range(3))
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.double(), y.double()
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.xx += x.T @ x
+        self.yy += y.T @ y
+        self.yx += y.T @ x
+
+    def cka(self) -> float:
+        """||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), columns centred; NaN if degenerate."""
+        if self.n == 0:
+            return float("nan")
+        mx, my = self.sx / self.n, self.sy / self.n
+        cxx = self.xx - self.n * torch.outer(mx, mx)
+        cyy = self.yy - self.n * torch.outer(my, my)
+        cyx = self.yx - self.n * torch.outer(my, mx)
+        norm = float(torch.linalg.matrix_norm(cxx) * torch.linalg.matrix_norm(cyy))
+        return float(cyx.pow(2).sum()) / norm if norm > 0 else float("nan")
+
+
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA between two (N, d) activation matrices whose rows are the same tokens."""
+    moments = CkaMoments(x.shape[1], x.device)
+    moments.add(x, y)
+    return moments.cka()
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None   # summary.json stays strict JSON
+
+
+def _windows(trainer: Any, windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Up to `windows` of the trainer's held-out windows, evenly spaced over them, in batches
+    of `train.eval_batch_size`."""
+    ids = torch.cat([x for x, _ in trainer.validation])
+    targets = torch.cat([t for _, t in trainer.validation])
+    total = ids.shape[0]
+    wanted = min(total, windows)
+    index = (torch.arange(wanted, dtype=torch.float64) * (total / wanted)).long()
+    ids, targets = ids[index], targets[index]
+    size = trainer.config.train.eval_batch_size
+    return [(ids[i:i + size], targets[i:i + size]) for i in range(0, wanted, size)]
+
+
+@torch.no_grad()
+def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[str, Any]:
+    """The alignment of every inner stage of `trainer`'s global model (replica 0 holds the
+    global weights after an outer step) on `windows` held-out windows."""
+    from crucible.boundary import principal_angles_deg
+    from crucible.bypass import DECODE_OPTIONS
+    from crucible.train import standard_error
+
+    started = time.perf_counter()
+    model, device, S = trainer.model, trainer.device, trainer.S
+    kind = trainer.config.pipeline.compression
+    own = model.bypass_decode
+    decodes = DECODE_OPTIONS if kind == "mapl" else (own,)
+    select = torch.tensor([0], device=device)
+    d = trainer.config.model.d_model
+    inner = range(1, S - 1)
+    moments = {s: CkaMoments(d, device) for s in inner}
+    update_sq = {s: 0.0 for s in inner}
+    input_sq = {s: 0.0 for s in inner}
+    intact_parts: list[torch.Tensor] = []
+    skipped_parts: dict[tuple[int, str], list[torch.Tensor]] = {}
+    batches = _windows(trainer, windows)
+    for ids, targets in batches:
+        ids, targets = ids[None].to(device), targets[None].to(device)
+        outputs: dict[int, torch.Tensor] = {}
+        inputs: dict[int, torch.Tensor] = {}
+        with trainer._autocast():
+            intact_parts.append(model(ids, targets, select=select, taps=outputs, inputs=inputs,
+                                      per_sequence=True)[0].double().cpu())
+        for s in inner:
+            x_in, x_out = inputs[s][0].flatten(0, 1), outputs[s][0].flatten(0, 1)
+            moments[s].add(x_in, x_out)
+            update_sq[s] += float((x_out.double() - x_in.double()).pow(2).sum())
+            input_sq[s] += float(x_in.double().pow(2).sum())
+        del outputs, inputs
+        for s in inner:
+            skip = torch.zeros(1, S, dtype=torch.bool, device=device)
+            skip[0, s] = True
+            for decode in decodes:
+                model.bypass_decode = decode
+                try:
+                    with trainer._autocast():
+                        losses = model(ids, targets, select=select, bypass=skip,
+                                       per_sequence=True)[0]
+                finally:
+                    model.bypass_decode = own
+                skipped_parts.setdefault((s, decode), []).append(losses.double().cpu())
+    intact = torch.cat(intact_parts)
+    stages = []
+    for s in inner:
+        row: dict[str, Any] = {
+            "stage": s, "cka": _finite(moments[s].cka()),
+            "update_ratio": _finite(math.sqrt(update_sq[s] / input_sq[s]))
+            if input_sq[s] > 0 else None}
+        if kind == "mapl":
+            angles = principal_angles_deg(model.stage_params(s - 1)["basis"][0],
+                                          model.stage_params(s)["basis"][0])
+            row["angle_mean_deg"] = float(angles.mean())
+            row["angle_max_deg"] = float(angles.max())
+        elif kind == "ssn":
+            row["angle_mean_deg"] = row["angle_max_deg"] = 0.0
+        damage = {}
+        for decode in decodes:
+            diff = (torch.cat(skipped_parts[(s, decode)]) - intact) / intact.mean() * 100
+            damage[decode] = (_finite(float(diff.mean())), standard_error(diff.flatten()))
+        row["bypass_damage_pct"], row["bypass_damage_stderr_pct"] = damage[own]
+        if kind == "mapl":
+            row["bypass_damage_by_decode"] = {k: v[0] for k, v in damage.items()}
+        stages.append(row)
+    return {"windows": int(intact.numel()), "tokens": int(intact.numel()) * trainer.config.model.seq_len,
+            "stages": stages, "seconds": time.perf_counter() - started}

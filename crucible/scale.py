@@ -1,0 +1,93 @@
+"""The scale trend: the same cells at a larger model, against the study's own.
+
+A study spec may list `scale`: other specs that run some of its cells (arm x strategy x p) at a
+larger model. For every cell both have, the degradation at each size and the difference larger
+minus this study's, with a 95% Welch interval (the two sizes are different models: nothing is
+paired), and what it says: the degradation shrinks with size, grows, or the interval cannot
+tell. Stdlib only.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from crucible.analysis import t_quantile
+
+__all__ = ["welch", "scale_rows", "scale_section"]
+
+
+def welch(a: Any, b: Any) -> tuple[float, float, float] | None:
+    """(mean of a - mean of b, lo, hi): the 95% Welch interval of two Stats (floor of the
+    Welch-Satterthwaite degrees of freedom, so slightly conservative); None below 2 each."""
+    if a.n < 2 or b.n < 2 or a.sd is None or b.sd is None:
+        return None
+    va, vb = a.sd ** 2 / a.n, b.sd ** 2 / b.n
+    se = math.sqrt(va + vb)
+    diff = a.mean - b.mean
+    if se == 0:
+        return diff, diff, diff
+    dof = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
+    t = t_quantile(0.975, max(1, math.floor(dof)))
+    return diff, diff - t * se, diff + t * se
+
+
+def scale_rows(data: Any) -> list[dict[str, Any]]:
+    from crucible.config import apply_overrides
+    from crucible.presets import get_preset, parameter_count
+    from crucible.study import StudyData, load_results, load_spec
+
+    def params(spec: Any) -> int:
+        return parameter_count(apply_overrides(get_preset(spec.preset), list(spec.sets)))
+
+    rows = []
+    for path in data.spec.scale:
+        other = load_spec(path)
+        big = StudyData(other, load_results(other))
+        for key in big.grid():
+            if key not in data.keys:
+                continue
+            small_stat, big_stat = data.stat(key), big.stat(key)
+            rows.append({"name": other.name, "key": key, "small": small_stat, "big": big_stat,
+                         "params": (params(data.spec), params(other)),
+                         "diff": welch(big_stat, small_stat)})
+    return rows
+
+
+def _pct(s: Any) -> str:
+    if s.mean is None:
+        return "not run yet"
+    if s.lo is None:
+        return f"{s.mean:+.2f}% (n={s.n})"
+    return f"{s.mean:+.2f}% [{s.lo:+.2f}, {s.hi:+.2f}] (n={s.n})"
+
+
+def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
+    from crucible.study import _cell_name
+
+    rows = scale_rows(data)
+    if not rows:
+        return []
+    models = "; ".join(f"`{name}`: {big / 1e6:.2f}M parameters" for name, (_, big) in
+                       dict.fromkeys((r["name"], r["params"]) for r in rows))
+    out = ["## Beyond the blog: does the degradation shrink with size?", "",
+           f"The same cells at a larger model ({models}; this study's: "
+           f"{rows[0]['params'][0] / 1e6:.2f}M). Degradation against each size's own "
+           "baseline, 95% intervals over seeds; the difference larger - this study with a 95% "
+           "Welch interval (different models, so nothing is paired). \"Lower\" means the "
+           "larger model's degradation is lower (a smaller loss increase, or a larger gain).", "",
+           "| cell | model | this study | larger model | larger - this (points) | reads as |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        key = r["key"]
+        diff = r["diff"]
+        if diff is None:
+            text, reads = "-", "not run yet" if r["big"].n == 0 else "too few seeds"
+        else:
+            text = f"{diff[0]:+.2f} [{diff[1]:+.2f}, {diff[2]:+.2f}]"
+            reads = ("lower at the larger model" if diff[2] < 0 else
+                     "higher at the larger model" if diff[1] > 0 else "not resolved")
+        out.append(f"| {_cell_name(key)} | `{r['name']}` | {_pct(r['small'])} | "
+                   f"{_pct(r['big'])} | {text} | {reads} |")
+    out.append("")
+    return out

@@ -1,0 +1,413 @@
+"""The decided study's instrument: seeds from an sd (crucible.precision), the equivalence claim
+at p = 0.01, per-block seeds, the pilot table, and results that carry no machine paths and
+compare corpora by content. On result files the tests write themselves."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from crucible import precision, study
+from crucible.analysis import t_quantile
+from tests.unit.test_study import fake_summary, fill, write_spec
+
+LOW_P_GRID = """
+name = "t"
+preset = "smoke"
+seeds = [0, 1, 2]
+
+[[grid]]
+arms = ["none", "ssn", "mapl"]
+strategies = ["skip", "drop"]
+p = [0, 0.01, 0.1, 0.2]
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# seeds from an sd
+# ---------------------------------------------------------------------------------------------
+
+def test_seeds_for_half_width_is_the_smallest_n_that_meets_it() -> None:
+    # sd 1, target 0.5: n = 18 gives t(0.975, 17) / sqrt(18) = 2.1098 / 4.2426 = 0.497,
+    # n = 17 gives 2.1199 / 4.1231 = 0.514 (t-table values)
+    assert precision.seeds_for_half_width(1.0, 0.5) == 18
+    assert precision.half_width(1.0, 18) <= 0.5 < precision.half_width(1.0, 17)
+    for sd in (0.3, 0.8, 1.1, 2.5):
+        n = precision.seeds_for_half_width(sd, 0.5)
+        assert n is not None and n >= 2
+        assert t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= 0.5
+        if n > 2:
+            assert t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) > 0.5
+    assert precision.seeds_for_half_width(1.0, 0.5, at_least=30) == 30
+    assert precision.seeds_for_half_width(50.0, 0.5) is None          # over MAX_SEEDS
+    assert precision.seeds_for_half_width(1.0, 0.0) is None
+
+
+def test_seeds_to_decide_sign_and_band() -> None:
+    # a sign rule needs the half-width below |mean|; a band rule below the distance to the edge
+    assert precision.seeds_to_decide(1.0, 1.0) == precision.seeds_for_half_width(1.0, 1.0)
+    assert precision.seeds_to_decide(0.2, 1.0, margin=0.5) == \
+        precision.seeds_for_half_width(1.0, 0.3)
+    assert precision.seeds_to_decide(0.9, 1.0, margin=0.5) == \
+        precision.seeds_for_half_width(1.0, 0.4)
+    assert precision.seeds_to_decide(0.5, 1.0, margin=0.5) is None     # on the edge: never
+    assert precision.seeds_to_decide(0.0, 1.0) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# claim (e): the equivalence test at p = 0.01
+# ---------------------------------------------------------------------------------------------
+
+def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, study.Claim]:
+    fill(spec, degradations)
+    data = study.StudyData(spec, study.load_results(spec))
+    return {c.tag: c for c in study.evaluate_claims(data)}
+
+
+def test_claim_e_agrees_inside_the_band(tmp_path: Path) -> None:
+    spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
+    claims = _claims(spec, {f"{a}-skip-p0.01": [0.05, 0.10, 0.15] for a in study.ARMS})
+    e = claims["e"]
+    assert len(e.comparisons) == 3 and e.verdict == study.AGREES
+    assert e.seeds_to_decide() is None
+
+
+def test_claim_e_disagrees_outside_and_is_open_across_the_edge(tmp_path: Path) -> None:
+    spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
+    far = _claims(spec, {"none-skip-p0.01": [1.5, 1.6, 1.7],
+                         "ssn-skip-p0.01": [0.1, 0.1, 0.2], "mapl-skip-p0.01": [0.0, 0.1, 0.1]})
+    assert far["e"].verdict == study.DISAGREES
+    spec2 = study.load_spec(write_spec(tmp_path / "b", LOW_P_GRID))
+    astride = _claims(spec2, {f"{a}-skip-p0.01": [0.0, 0.6, 0.3] for a in study.ARMS})
+    e = astride["e"]
+    assert e.verdict == study.NOT_RESOLVED
+    # mean 0.3, sd 0.3: deciding "inside +-0.5" needs a half-width below 0.2
+    need, beyond = e.seeds_to_decide()
+    assert need == precision.seeds_for_half_width(0.3, 0.2) and beyond == 0
+    assert f"| {need} |" in study.render_markdown(study.StudyData(spec2,
+                                                                  study.load_results(spec2)))
+
+
+def test_claim_e_is_not_run_when_the_grid_lacks_p_001(spec: study.Spec) -> None:
+    fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
+    data = study.StudyData(spec, study.load_results(spec))
+    e = {c.tag: c for c in study.evaluate_claims(data)}["e"]
+    assert e.comparisons == () and e.verdict == study.NOT_RUN
+    assert "p = 0.01 is not in this grid" in study.render_markdown(data)
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> study.Spec:
+    return study.load_spec(write_spec(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# seeds per block
+# ---------------------------------------------------------------------------------------------
+
+BLOCK_SEEDS = """
+name = "t"
+preset = "smoke"
+seeds = [0, 1]
+
+[[grid]]
+arms = ["none", "ssn"]
+strategies = ["skip"]
+p = [0.2]
+
+[[grid]]
+arms = ["ssn"]
+strategies = ["drop"]
+p = [0.2]
+seeds = [0, 1, 2, 3]
+"""
+
+
+def test_a_block_may_run_more_seeds_and_its_arm_gets_their_baselines(tmp_path: Path) -> None:
+    spec = study.load_spec(write_spec(tmp_path, BLOCK_SEEDS))
+    ids = [c.id for c in study.expand_cells(spec)]
+    assert spec.all_seeds == (0, 1, 2, 3)
+    assert "ssn-drop-p0.2-s3" in ids and "ssn-base-s3" in ids
+    assert "ssn-skip-p0.2-s3" not in ids                  # the skip block keeps the spec's seeds
+    assert "none-base-s2" not in ids                      # no block of `none` runs seed 2
+    assert len(ids) == len(set(ids)) == 2 * 2 + 2 * 2 + 4 + 2   # baselines, skip, drop
+    only = [c.id for c in study.expand_cells(spec, [3])]
+    assert sorted(only) == ["ssn-base-s3", "ssn-drop-p0.2-s3"]
+
+
+def test_bad_block_seeds_name_the_field(tmp_path: Path) -> None:
+    path = write_spec(tmp_path, BLOCK_SEEDS.replace("seeds = [0, 1, 2, 3]", "seeds = [1, 1]"))
+    with pytest.raises(study.StudyError, match=r"grid\[1\]\.seeds lists a seed twice"):
+        study.load_spec(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pilot table
+# ---------------------------------------------------------------------------------------------
+
+PILOT = """
+name = "pilot-x"
+preset = "smoke"
+seeds = [0, 1, 2, 3]
+set = ["train.lr=0.002"]
+title = "Pilot x"
+
+[[grid]]
+arms = ["none", "ssn"]
+strategies = ["skip"]
+p = [0.2]
+"""
+
+
+def test_pilot_rows_measure_sd_seeds_and_grid_cost(tmp_path: Path) -> None:
+    pilot = study.load_spec(write_spec(tmp_path, PILOT, name="pilot-x.toml"))
+    # none: degradations 1, 2, 3, 4 (sd 1.29); ssn: 0, 0, 0, 0 (sd 0)
+    fill(pilot, {"none-skip-p0.2": [1.0, 2.0, 3.0, 4.0], "ssn-skip-p0.2": [0.0] * 4})
+    main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
+        'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\npilots = ["pilot-x.toml"]'), name="main.toml"))
+    from crucible.pilot import MIN_GRID_SEEDS, pilot_rows
+
+    rows = {r.arm: r for r in pilot_rows(main)}
+    assert set(rows) == {"none", "ssn"}
+    none = rows["none"]
+    assert none.seeds == 4 and none.skip_mean == pytest.approx(2.5)
+    assert none.paired_sd == pytest.approx(math.sqrt(5 / 3))
+    assert none.seeds_needed == precision.seeds_for_half_width(math.sqrt(5 / 3), 0.5)
+    assert none.dims == 64 and rows["ssn"].dims == 8
+    assert rows["ssn"].seeds_needed == MIN_GRID_SEEDS
+    # the main grid has 6 failure cells per arm (skip, drop x 3 p > 0) plus one baseline
+    assert none.grid_runs == none.seeds_needed * 7
+    assert none.grid_cpu_h == pytest.approx(none.grid_runs * 60.0 / 3600)
+    text = study.render_markdown(study.StudyData(main, study.load_results(main)))
+    assert "## How the preset was chosen" in text and "`pilot-x`" in text
+
+
+def test_a_missing_pilot_is_a_spec_error(tmp_path: Path) -> None:
+    path = write_spec(tmp_path, LOW_P_GRID.replace('seeds = [0, 1, 2]',
+                                                   'seeds = [0, 1, 2]\npilots = ["nope.toml"]'))
+    with pytest.raises(study.StudyError, match="pilots.*'nope.toml' is not another study spec"):
+        study.load_spec(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# configurations: corpora by content, no machine paths
+# ---------------------------------------------------------------------------------------------
+
+def test_portable_drops_machine_paths(tmp_path: Path) -> None:
+    from crucible.data import load_tokens, token_digest
+
+    default = token_digest(load_tokens(None, vocab_size=256))
+    summary = {"store_url": "file:///home/someone/run/store", "data_digest": default,
+               "config": {"model": {"vocab_size": 256},
+                          "data": {"path": "/somewhere/shakespeare.txt", "val_fraction": 0.05}}}
+    kept = study.portable(summary)
+    assert "store_url" not in kept and kept["config"]["data"]["path"] is None
+    other = dict(summary, data_digest="sha256:" + "0" * 64)
+    assert study.portable(other)["config"]["data"]["path"] == "shakespeare.txt"
+    assert summary["config"]["data"]["path"] == "/somewhere/shakespeare.txt"   # not mutated
+
+
+def test_token_digest_is_by_content_not_path(tmp_path: Path) -> None:
+    from crucible.data import load_tokens, token_digest
+
+    a, b = tmp_path / "a.txt", tmp_path / "sub" / "b.txt"
+    b.parent.mkdir()
+    a.write_text("to be or not to be")
+    b.write_text("to be or not to be")
+    assert token_digest(load_tokens(str(a), vocab_size=256)) == \
+        token_digest(load_tokens(str(b), vocab_size=256))
+    b.write_text("to be or not to bee")
+    assert token_digest(load_tokens(str(a), vocab_size=256)) != \
+        token_digest(load_tokens(str(b), vocab_size=256))
+
+
+def _rewrite(spec: study.Spec, fn) -> None:
+    for path in spec.results_dir.glob("*.json"):
+        summary = json.loads(path.read_text())
+        fn(path.stem, summary)
+        path.write_text(json.dumps(summary))
+
+
+def test_a_corpus_path_alone_is_not_another_configuration(spec: study.Spec) -> None:
+    fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
+
+    def elsewhere(stem: str, summary: dict) -> None:
+        if stem.endswith("s0"):
+            summary["config"]["data"]["path"] = "/other/machine/shakespeare.txt"
+        summary["data_digest"] = "sha256:" + "a" * 64
+
+    _rewrite(spec, elsewhere)
+    text = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
+    assert "different configurations" not in text and "different corpora" not in text
+    assert "Corpus: `sha256:aaaaaaaaaaaa...`" in text
+
+    def other_corpus(stem: str, summary: dict) -> None:
+        if stem.endswith("s1"):
+            summary["data_digest"] = "sha256:" + "b" * 64
+
+    _rewrite(spec, other_corpus)
+    text = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
+    assert "trained on 2 different corpora" in text
+
+
+def test_kept_results_are_portable(spec: study.Spec) -> None:
+    cell = study.expand_cells(spec)[0]
+    summary = fake_summary(cell, 2.0)
+    summary["store_url"] = "file:///tmp/x/store"
+    path = study.keep_result(spec, cell, summary, jobs=2)
+    assert "store_url" not in json.loads(path.read_text())
+
+
+def test_committed_results_hold_no_machine_paths() -> None:
+    root = Path(__file__).resolve().parents[2] / "results"
+    for path in sorted(root.glob("*/*.json")):
+        text = path.read_text()
+        assert '"store_url"' not in text, path
+        config = json.loads(text)["config"]
+        assert config["data"]["path"] is None or "/" not in config["data"]["path"], path
+
+
+# ---------------------------------------------------------------------------------------------
+# the alignment hypothesis on a study's data
+# ---------------------------------------------------------------------------------------------
+
+ALIGN_GRID = """
+name = "t"
+preset = "smoke"
+seeds = [0, 1, 2, 3, 4, 5, 6, 7]
+
+[[grid]]
+arms = ["none", "ssn"]
+strategies = ["skip"]
+p = [0.1, 0.2]
+"""
+
+
+def test_fisher_interval_of_a_known_correlation() -> None:
+    from crucible.alignment_study import correlation
+
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    ys = [1.2, 1.9, 3.4, 3.8, 5.3, 5.7, 7.4, 7.9, 9.6, 9.8]
+    c = correlation(xs, ys)
+    z, se = math.atanh(c.r), 1 / math.sqrt(len(xs) - 3)
+    assert c.r > 0.99
+    assert c.lo == pytest.approx(math.tanh(z - 1.959963984540054 * se))
+    assert c.hi == pytest.approx(math.tanh(z + 1.959963984540054 * se))
+    assert correlation([1.0, 2.0], [2.0, 1.0]).lo is None
+    assert correlation([1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]).r is None
+
+
+def _aligned(tmp_path: Path, damage_of) -> study.StudyData:
+    spec = study.load_spec(write_spec(tmp_path, ALIGN_GRID))
+    degr = {"none": [0.2 * i for i in range(8)], "ssn": [1.0 + 0.3 * i for i in range(8)]}
+    fill(spec, {f"{a}-skip-p0.2": v for a, v in degr.items()}
+         | {f"{a}-skip-p0.1": v for a, v in degr.items()})
+
+    def add(stem: str, summary: dict) -> None:
+        arm, kind = stem.split("-")[:2]
+        if kind == "base":
+            seed = int(stem.rsplit("-s", 1)[1])
+            d = damage_of(arm, seed, degr[arm][seed])
+            summary["alignment"] = {"windows": 8, "tokens": 128, "stages": [
+                {"stage": 1, "cka": 1.0 - d / 100, "update_ratio": 0.3, "bypass_damage_pct": d},
+                {"stage": 2, "cka": 1.0 - d / 100, "update_ratio": 0.3, "bypass_damage_pct": d}]}
+
+    _rewrite(spec, add)
+    return study.StudyData(spec, study.load_results(spec))
+
+
+def test_alignment_that_tracks_degradation_within_arms_predicts(tmp_path: Path) -> None:
+    from crucible.alignment_study import alignment_points, alignment_section
+
+    wobble = [0.03, -0.02, 0.01, -0.04, 0.02, 0.0, -0.01, 0.03]
+    data = _aligned(tmp_path, lambda arm, seed, d: 2.0 * d + wobble[seed]
+                    + (5.0 if arm == "ssn" else 0.0))
+    points = alignment_points(data)
+    assert len(points) == 16 and {pt.arm for pt in points} == {"none", "ssn"}
+    text = "\n".join(alignment_section(data, study.ARM_LABEL, "img/a.png"))
+    assert "| instant bypass damage (%) | + |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| instant bypass"))
+    assert row.endswith("| predicts |")
+    cka = next(line for line in text.splitlines() if line.startswith("| CKA"))
+    assert cka.endswith("| predicts |")                  # higher CKA, less damage: sign -
+    assert "Verdict: within arms, " in text and "![Alignment" in text
+    assert "## Beyond the blog: does alignment" in study.render_markdown(data)
+
+
+def test_alignment_that_only_differs_between_arms_is_not_a_within_arm_prediction(
+        tmp_path: Path) -> None:
+    from crucible.alignment_study import alignment_section
+
+    noise = [0.5, -0.3, 0.1, 0.4, -0.5, 0.2, -0.1, -0.3]
+    data = _aligned(tmp_path, lambda arm, seed, d: (10.0 if arm == "ssn" else 1.0)
+                    + noise[(seed * 3) % 8])
+    text = "\n".join(alignment_section(data, study.ARM_LABEL, None))
+    row = next(line for line in text.splitlines() if line.startswith("| instant bypass"))
+    pooled = row.split("|")[3]
+    assert float(pooled.split("[")[0]) > 0.5              # pooled: the arms alone correlate
+    assert row.endswith("| not resolved |")
+    assert "Verdict: not resolved" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the token check and the scale trend
+# ---------------------------------------------------------------------------------------------
+
+HALF = """
+name = "half"
+preset = "smoke"
+seeds = [0, 1]
+set = ["train.global_steps=5"]
+
+[[grid]]
+arms = ["none"]
+strategies = ["skip"]
+p = [0]
+"""
+
+
+def test_token_check_compares_half_the_tokens_with_the_seed_spread(tmp_path: Path) -> None:
+    full = study.load_spec(write_spec(tmp_path, PILOT, name="pilot-x.toml"))
+    fill(full, {"none-skip-p0.2": [1.0, 2.0, 3.0, 4.0]}, base=2.0)
+    _rewrite(full, lambda stem, s: s.update(final_val_loss=2.0 + 0.01 * int(stem[-1]))
+             if "base" in stem else None)
+    half = study.load_spec(write_spec(tmp_path, HALF, name="half.toml"))
+    fill(half, {"none-skip-p0.2": []}, base=2.3)
+    main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
+        'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\ntoken_check = ["half.toml", "pilot-x.toml"]'),
+        name="main.toml"))
+    from crucible.pilot import token_rows, token_section
+
+    (row,) = token_rows(main)
+    assert row["arm"] == "none" and row["seeds"] == [0, 1]
+    assert row["change_pct"] == pytest.approx([15.0, 100 * (2.3 - 2.01) / 2.01])
+    text = "\n".join(token_section(main, study.ARM_LABEL))
+    assert "token-limited: every seed's loss rose by more than three seed sds" in text
+
+
+def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
+    from crucible.scale import scale_section, welch
+
+    a = study.stat_of({0: 1.0, 1: 2.0, 2: 3.0})
+    b = study.stat_of({0: 5.0, 1: 7.0, 2: 9.0, 3: 11.0})
+    diff, lo, hi = welch(b, a)
+    va, vb = 1.0 / 3, (20 / 3) / 4
+    dof = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+    half = t_quantile(0.975, math.floor(dof)) * math.sqrt(va + vb)
+    assert diff == pytest.approx(6.0) and (lo, hi) == pytest.approx((6 - half, 6 + half))
+    assert welch(study.stat_of({0: 1.0}), a) is None
+
+    big = study.load_spec(write_spec(tmp_path, PILOT.replace('name = "pilot-x"',
+                                                             'name = "big"'), name="big.toml"))
+    fill(big, {"none-skip-p0.2": [0.1, 0.2, 0.1, 0.2], "ssn-skip-p0.2": [3.0, 3.2, 3.1, 3.3]})
+    main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
+        'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\nscale = ["big.toml"]'), name="main.toml"))
+    fill(main, {"none-skip-p0.2": [2.0, 2.1, 2.2], "ssn-skip-p0.2": [0.5, 0.6, 0.4]})
+    text = "\n".join(scale_section(study.StudyData(main, study.load_results(main)),
+                                   study.ARM_LABEL))
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()
+            if line.startswith("| ") and "p = 0.2" in line}
+    assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
+    assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
