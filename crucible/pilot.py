@@ -100,8 +100,9 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
 
 
 def _f(value: float | None, fmt: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
-        else format(value, fmt)
+    from crucible.study import _num
+
+    return _num(None if value is not None and math.isnan(value) else value, fmt)
 
 
 def pilot_section(spec: Any, rows: Sequence[PilotRow], labels: Mapping[str, str]) -> list[str]:

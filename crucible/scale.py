@@ -55,11 +55,9 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
 
 
 def _pct(s: Any) -> str:
-    if s.mean is None:
-        return "not run yet"
-    if s.lo is None:
-        return f"{s.mean:+.2f}% (n={s.n})"
-    return f"{s.mean:+.2f}% [{s.lo:+.2f}, {s.hi:+.2f}] (n={s.n})"
+    from crucible.study import _pct as pct
+
+    return pct(s) if s.mean is None else f"{pct(s)} (n={s.n})"
 
 
 def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:

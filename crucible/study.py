@@ -80,7 +80,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 _SPEC_KEYS = {"name", "preset", "seeds", "set", "grid", "title", "notes", "results_dir",
               "runs_dir", "document", "figures_dir", "close_margin", "resolve_threshold",
               "equivalence_margin",
-              "pilots", "token_check", "scale"}
+              "pilots", "token_check", "scale", "reuse"}
 _BLOCK_KEYS = {"arms", "strategies", "p", "set", "label", "seeds"}
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -129,6 +129,7 @@ class Spec:
     pilots: tuple[Path, ...] = ()
     token_check: tuple[Path, ...] = ()     # (half the tokens, the full run) pilot specs
     scale: tuple[Path, ...] = ()           # specs running some of its cells at a larger model
+    reuse: tuple[Path, ...] = ()           # specs whose identical runs count as its own cells
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
@@ -316,7 +317,8 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     listed: dict[str, list[Path]] = {}
     for key, example in (("pilots", '["pilot-w128-lr2.toml"]'),
                          ("token_check", '["pilot-half.toml", "pilot-full.toml"]'),
-                         ("scale", '["scale-d256.toml"]')):
+                         ("scale", '["scale-d256.toml"]'),
+                         ("reuse", '["pilot-w128-lr2.toml"]')):
         listed[key] = []
         for item in _str_list(data.get(key, []), _where(path, key), example):
             pilot = Path(os.path.normpath(folder / item))
@@ -330,6 +332,7 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     spec = Spec(path=path.resolve(), name=name, preset=preset, seeds=tuple(seeds), blocks=blocks, sets=sets,
                 title=texts["title"], notes=texts["notes"], pilots=tuple(listed["pilots"]),
                 token_check=tuple(listed["token_check"]), scale=tuple(listed["scale"]),
+                reuse=tuple(listed["reuse"]),
                 **paths, **numbers)
     # Every distinct configuration must be valid before anything runs.
     base = get_preset(preset)
@@ -411,8 +414,9 @@ def _key_order(key: GridKey) -> tuple[Any, ...]:
 def expand_cells(spec: Spec, seeds: Iterable[int] | None = None) -> list[Cell]:
     """The spec's cells in run order: baselines (one per arm and seed), then the blog's core
     cells (skip/drop at p = 0.1 and 0.2) for every seed, then the rest; seed-major within a
-    tier so that an interrupted grid has whole seeds. p = 0 in a block means the shared
-    baseline. Raises `StudyError` when two blocks give one cell id different overrides."""
+    tier so that an interrupted grid has whole seeds. Seeds that only some blocks add (a
+    block's `seeds` beyond the spec's) come after all of that, in the same order among
+    themselves. p = 0 in a block means the shared baseline. Raises `StudyError` when two blocks give one cell id different overrides."""
     wanted = None if seeds is None else set(seeds)
     chosen = tuple(s for s in spec.all_seeds if wanted is None or s in wanted)
 
@@ -446,7 +450,11 @@ def expand_cells(spec: Spec, seeds: Iterable[int] | None = None) -> list[Cell]:
                     for seed in of(block):
                         add(Cell(key, seed, spec.sets + block.sets, block.index, _tier(key)))
     order = {s: i for i, s in enumerate(chosen)}
-    return sorted(cells.values(), key=lambda c: (c.tier, order[c.seed], _key_order(c.key)))
+    # the spec's own seeds first (every cell), then the seeds only some blocks add: a grid
+    # stopped early holds whole seeds of the whole grid, not the extra seeds' baselines alone
+    extra = {s: int(s not in spec.seeds) for s in chosen}
+    return sorted(cells.values(),
+                  key=lambda c: (extra[c.seed], c.tier, order[c.seed], _key_order(c.key)))
 
 
 def result_path(spec: Spec, cell: Cell) -> Path:
@@ -529,6 +537,53 @@ def keep_result(spec: Spec, cell: Cell, summary: dict[str, Any], *, jobs: int) -
     return path
 
 
+def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved config as two runs must share to be the same computation: without the preset's
+    name (a label; presets only fill in values) and, outside the MAPL arm, without
+    `pipeline.bypass_decode` (only MAPL reads it)."""
+    out = {k: v for k, v in config.items() if k != "preset"}
+    pipeline = out.get("pipeline")
+    if isinstance(pipeline, dict) and pipeline.get("compression") != "mapl":
+        out["pipeline"] = {k: v for k, v in pipeline.items() if k != "bypass_decode"}
+    return out
+
+
+def adopt_results(spec: Spec, cells: Iterable[Cell], *, write: bool = True) -> dict[str, str]:
+    """Cells of `spec` that a `reuse` spec already ran with the same configuration: copied into
+    the results folder (marked `study.reused_from`) instead of run again. Returns {cell id:
+    source spec name}. The configurations are compared whole (`comparable_config`), the
+    source's file validated like any result."""
+    from crucible.config import apply_overrides
+    from crucible.presets import get_preset
+
+    if not spec.reuse:
+        return {}
+    sources = [load_spec(path) for path in spec.reuse]
+    base = get_preset(spec.preset)
+    adopted: dict[str, str] = {}
+    for cell in cells:
+        wanted = comparable_config(apply_overrides(base, cell.overrides()).to_dict())
+        for source in sources:
+            path = source.results_dir / f"{cell.id}.json"
+            if not path.is_file():
+                continue
+            try:
+                summary = json.loads(path.read_text(encoding="utf-8"))
+                _expect(summary, cell, path)
+            except (OSError, ValueError, StudyError):
+                continue
+            if comparable_config(summary["config"]) != wanted:
+                continue
+            if write:
+                kept = dict(summary)
+                kept["study"] = {**(summary.get("study") or {}), "spec": spec.name,
+                                 "cell": cell.id, "reused_from": source.name}
+                write_json_atomic(result_path(spec, cell), kept)
+            adopted[cell.id] = source.name
+            break
+    return adopted
+
+
 def run_command(spec: Spec, cell: Cell) -> list[str]:
     """The `crucible run` command of a cell (as argv, through this Python)."""
     argv = [sys.executable, "-c", "from crucible.cli import main; main()", "run",
@@ -574,6 +629,12 @@ def run_study(spec: Spec, *, jobs: int = 2, seeds: Sequence[int] | None = None,
     command = command or run_command
     cells = expand_cells(spec, seeds)
     done, todo = completed_cells(spec, cells)
+    adopted = adopt_results(spec, todo, write=not dry_run)
+    if adopted:
+        echo(f"study {spec.name}: {len(adopted)} cells taken from identical runs of "
+             + ", ".join(sorted({source for source in adopted.values()})))
+        done += [c for c in todo if c.id in adopted]
+        todo = [c for c in todo if c.id not in adopted]
     if limit is not None:
         todo = todo[:limit]
     outcome = RunOutcome(skipped=len(done))
@@ -1860,5 +1921,21 @@ def register(app: Any) -> None:
             raise fail(str(exc)) from None
         if code:
             raise typer.Exit(code=code)
+
+    @study_app.command("adopt")
+    def adopt_cmd(
+        spec_path: Path = typer.Argument(..., metavar="SPEC", help="study spec"),
+    ) -> None:
+        """Copy the runs of the spec's `reuse` specs that have its cells' exact configuration
+        into its results (what `study run` does before it runs anything); runs nothing."""
+        try:
+            spec = load_spec(spec_path)
+            _, todo = completed_cells(spec, expand_cells(spec))
+            adopted = adopt_results(spec, todo)
+        except StudyError as exc:
+            raise fail(str(exc)) from None
+        typer.echo(f"study {spec.name}: {len(adopted)} cells taken from identical runs"
+                   + (f" of {', '.join(sorted(set(adopted.values())))}" if adopted else "")
+                   + f" into {spec.shown(spec.results_dir)}/")
 
     app.add_typer(study_app, name="study")

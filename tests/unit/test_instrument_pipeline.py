@@ -137,8 +137,11 @@ def test_stiefel_step_is_mapl_lr_scale_times_the_inner_lr(tmp_path, monkeypatch,
 
     real_stiefel = boundary.stiefel_step
 
+    batch_rows = []
+
     def stiefel(*args, lr, **kwargs):
         stiefel_lrs.append(lr)
+        batch_rows.append(args[0].shape[0])
         real_stiefel(*args, lr=lr, **kwargs)
 
     monkeypatch.setattr(trainer.optimizer, "step", adam_step)
@@ -146,12 +149,13 @@ def test_stiefel_step_is_mapl_lr_scale_times_the_inner_lr(tmp_path, monkeypatch,
     trainer.global_step(0)
     trainer.global_step(1)
     H, boundaries = trainer.H, trainer.S - 1
-    assert len(adam_lrs) == 2 * H and len(stiefel_lrs) == 2 * H * boundaries
+    # one batched SPEL step per inner step, holding every boundary's bases of every replica
+    assert len(adam_lrs) == 2 * H and len(stiefel_lrs) == 2 * H
+    assert batch_rows == [trainer.R * boundaries] * (2 * H)
     assert len(set(adam_lrs)) > 1                                     # warm-up: lr changes
     want = 1.0 if scale is None else scale
     for i, lr in enumerate(adam_lrs):
-        for b in range(boundaries):
-            assert stiefel_lrs[i * boundaries + b] == pytest.approx(want * lr, rel=1e-12)
+        assert stiefel_lrs[i] == pytest.approx(want * lr, rel=1e-12)
 
 
 def test_basis_report_of_an_untrained_model_shows_no_movement(tmp_path):

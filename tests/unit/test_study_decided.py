@@ -411,3 +411,74 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
             if line.startswith("| ") and "p = 0.2" in line}
     assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
+
+
+# ---------------------------------------------------------------------------------------------
+# reusing identical runs
+# ---------------------------------------------------------------------------------------------
+
+def test_identical_runs_of_a_reuse_spec_are_adopted_not_rerun(tmp_path: Path) -> None:
+    source = study.load_spec(write_spec(tmp_path, PILOT.replace(
+        'arms = ["none", "ssn"]', 'arms = ["none", "mapl"]'), name="pilot-x.toml"))
+    fill(source, {"none-skip-p0.2": [1.0, 2.0, 3.0, 4.0], "mapl-skip-p0.2": [0.5] * 4})
+
+    def relabel(stem: str, summary: dict) -> None:
+        summary["config"]["preset"] = "another-name-same-values"
+        if stem.startswith("none"):     # only MAPL reads the decode: no difference for `none`
+            summary["config"]["pipeline"]["bypass_decode"] = "receiver"
+        if stem == "mapl-skip-p0.2-s1":
+            summary["config"]["pipeline"]["bypass_decode"] = "receiver"   # another computation
+        if stem == "none-skip-p0.2-s2":
+            summary["config"]["train"]["lr"] = 0.003                      # another computation
+
+    _rewrite(source, relabel)
+    main = study.load_spec(write_spec(tmp_path, """
+        name = "main"
+        preset = "smoke"
+        seeds = [0, 1, 2, 3]
+        set = ["train.lr=0.002"]
+        reuse = ["pilot-x.toml"]
+
+        [[grid]]
+        arms = ["none", "mapl"]
+        strategies = ["skip"]
+        p = [0.2]
+        """, name="main.toml"))
+    ran: list[str] = []
+
+    def fake_command(spec, cell):
+        ran.append(cell.id)
+        return ["false"]
+
+    outcome = study.run_study(main, jobs=1, command=fake_command, echo=lambda _: None,
+                              poll_s=0.01)
+    assert sorted(ran) == ["mapl-skip-p0.2-s1", "none-skip-p0.2-s2"]
+    assert outcome.skipped == 16 - 2
+    kept = json.loads((main.results_dir / "none-skip-p0.2-s0.json").read_text())
+    assert kept["study"]["reused_from"] == "pilot-x" and kept["study"]["spec"] == "main"
+    assert kept["final_val_loss"] == json.loads(
+        (source.results_dir / "none-skip-p0.2-s0.json").read_text())["final_val_loss"]
+
+
+def test_extra_block_seeds_run_after_the_whole_grid_of_the_spec_seeds(tmp_path: Path) -> None:
+    spec = study.load_spec(write_spec(tmp_path, BLOCK_SEEDS))
+    ids = [c.id for c in study.expand_cells(spec)]
+    first_extra = min(ids.index(i) for i in ids if i.endswith(("-s2", "-s3")))
+    assert all(not i.endswith(("-s2", "-s3")) for i in ids[:first_extra])
+    assert first_extra == 2 * 2 + 2 * 2 + 2          # every cell of seeds 0 and 1 first
+    assert ids[first_extra:] == ["ssn-base-s2", "ssn-base-s3", "ssn-drop-p0.2-s2",
+                                 "ssn-drop-p0.2-s3"]
+
+
+def test_the_decided_grid_runs_the_seeds_its_pilot_asks_for() -> None:
+    """Each arm's seeds in studies/table1-d128.toml are the committed pilot's "seeds for
+    ±0.5" (at least 8): numbers in the spec come from the data."""
+    from crucible.pilot import pilot_rows
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = study.load_spec(repo / "studies" / "table1-d128.toml")
+    (chosen,) = [p for p in spec.pilots if p in spec.reuse]      # the preset's own pilot
+    rows = {r.arm: r for r in pilot_rows(spec) if r.pilot == study.load_spec(chosen).name}
+    for block in spec.blocks:
+        for arm in block.arms:
+            assert len(block.seeds or spec.seeds) == rows[arm].seeds_needed, (block, arm)
