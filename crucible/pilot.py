@@ -132,6 +132,23 @@ def pilot_section(spec: Any, rows: Sequence[PilotRow], labels: Mapping[str, str]
             "-" if r.seeds_needed is None else str(r.seeds_needed),
             "-" if r.grid_runs is None else str(r.grid_runs), _f(r.grid_cpu_h, ".1f")]) + " |")
     out += lines
+    totals: dict[str, tuple[int, float]] = {}
+    for name in dict.fromkeys(r.pilot for r in rows):
+        mine = [r for r in rows if r.pilot == name]
+        if all(r.grid_runs is not None and r.grid_cpu_h is not None for r in mine):
+            totals[name] = (sum(r.grid_runs or 0 for r in mine),
+                            math.fsum(r.grid_cpu_h or 0.0 for r in mine))
+    if totals:
+        out += ["", "This study's grid at each pilot's seeds: " + "; ".join(
+            f"`{name}` {runs:,} runs, {hours:.1f} CPU-hours" for name, (runs, hours)
+            in totals.items()) + " (rows summed; only pilots with every arm measured)."]
+    reused = {p.resolve() for p in spec.reuse}
+    chosen = [r.pilot for r in rows if any(
+        p.name == f"{r.pilot}.toml" or p.stem == r.pilot for p in reused)]
+    if chosen:
+        out += ["", f"The preset is `{spec.preset}`: the configuration of `{chosen[0]}` (its runs "
+                "are this study's cells, adopted by `crucible study adopt`), and each arm's "
+                "seeds in the spec are that pilot's \"seeds for\" column."]
     out += ["", "Pilots: " + "; ".join(
         f"`{name}` = preset `{preset}`" + (f" with {', '.join(f'`{s}`' for s in sets)}"
                                            if sets else "")
