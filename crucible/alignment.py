@@ -23,9 +23,10 @@ fail):
   standard error over windows (`crucible bypass-damage` does the same on the whole split).
 
 The moments CKA needs are summed batch by batch (float64, d x d), so the report's memory does
-not grow with the number of windows. Every run records it in its summary (`alignment`; its
-seconds in `timing.alignment_s`, outside `wall_s`), so the study can test across arms and
-seeds whether these numbers predict the trained degradation under skip.
+not grow with the number of windows. Every run without failures (faults.p = 0: the study's
+baselines) records it in its summary (`alignment`; its seconds in `timing.alignment_s`, outside
+`wall_s`), so the study can test across arms and seeds whether these numbers predict the
+trained degradation under skip.
 """
 from __future__ import annotations
 

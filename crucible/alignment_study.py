@@ -1,5 +1,5 @@
 """The alignment hypothesis, tested on a study's data: does how compatible an inner stage's
-input and output are (crucible.alignment, recorded in every run's summary) predict what a model
+input and output are (crucible.alignment, recorded in every baseline's summary) predict what a model
 that trains through skips loses?
 
 For every arm and seed with both a baseline that recorded `alignment` and a result of skip at

@@ -1,10 +1,17 @@
 """The failure study: a committed grid spec, a resumable runner, and the generated results document.
 
-    crucible study run studies/table1.toml [--jobs 2] [--seeds 0,1] [--limit N] [--dry-run]
-    crucible study render studies/table1.toml [--check] [--no-figures]
+    crucible study run studies/table1-d128.toml [--jobs 2] [--seeds 0,1] [--limit N] [--dry-run]
+    crucible study render studies/table1-d128.toml [--check] [--no-figures]
+    crucible study adopt studies/table1-d128.toml   # identical runs of its `reuse` specs
 
 A spec (TOML) names a preset, the seeds and a list of grid blocks (arms x strategies x p, plus
-optional `key=value` overrides and a label). It expands into cells with stable ids:
+optional `key=value` overrides, a label and the block's own `seeds`; an arm's baselines cover
+every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-preset specs whose
+table the document shows, crucible.pilot), `token_check` (half-tokens and full pilot specs),
+`scale` (specs running some cells at a larger model, crucible.scale), `reuse` (specs whose runs
+with exactly a cell's configuration count as that cell), `close_margin`, `resolve_threshold`
+(the target half-width) and `equivalence_margin` (claim (e)). It expands into cells with stable
+ids:
 
     none-base-s0                      the p = 0 baseline of an arm and seed, shared by every
                                       strategy and block of that arm

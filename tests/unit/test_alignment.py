@@ -12,6 +12,7 @@ import torch
 
 from crucible import boundary
 from crucible.alignment import alignment_report, linear_cka
+from crucible.config import apply_overrides
 from crucible.boundary import principal_angles_deg
 from crucible.events import MultiCallback
 from crucible.store import LocalStore
@@ -86,6 +87,8 @@ def test_every_run_records_its_alignment(tmp_path: Path) -> None:
 
     summary = train(cfg, out_dir=tmp_path / "run", progress=False)
     assert len(summary["alignment"]["stages"]) == cfg.pipeline.stages - 2
+    failing = apply_overrides(cfg, ["faults.p=0.3", "faults.strategy=skip"])
+    assert "alignment" not in train(failing, out_dir=tmp_path / "failing", progress=False)
     assert summary["timing"]["alignment_s"] > 0 and "seconds" not in summary["alignment"]
     assert summary["data_digest"].startswith("sha256:") and len(summary["data_digest"]) == 71
 

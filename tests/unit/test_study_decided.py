@@ -482,3 +482,23 @@ def test_the_decided_grid_runs_the_seeds_its_pilot_asks_for() -> None:
     for block in spec.blocks:
         for arm in block.arms:
             assert len(block.seeds or spec.seeds) == rows[arm].seeds_needed, (block, arm)
+
+
+def test_adopt_command_copies_identical_runs_and_runs_nothing(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tests.unit.test_study import cli_app
+
+    source = study.load_spec(write_spec(tmp_path, PILOT, name="pilot-x.toml"))
+    fill(source, {"none-skip-p0.2": [1.0, 2.0, 3.0, 4.0]})
+    main = write_spec(tmp_path, PILOT.replace('name = "pilot-x"', 'name = "main"').replace(
+        'title = "Pilot x"', 'title = "Main"\nreuse = ["pilot-x.toml"]'), name="main.toml")
+    result = CliRunner().invoke(cli_app(), ["study", "adopt", str(main)])
+    assert result.exit_code == 0, result.output
+    assert "8 cells taken from identical runs of pilot-x" in result.output
+    spec = study.load_spec(main)
+    assert len(list(spec.results_dir.glob("*.json"))) == 8      # none: 4 baselines, 4 skip
+    again = CliRunner().invoke(cli_app(), ["study", "adopt", str(main)])
+    assert "0 cells taken" in again.output
+    bad = CliRunner().invoke(cli_app(), ["study", "adopt", str(tmp_path / "nope.toml")])
+    assert bad.exit_code == 2 and "not found" in bad.output
