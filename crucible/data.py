@@ -57,11 +57,15 @@ def load_tokens(path: str | None, *, vocab_size: int) -> np.ndarray:
     return tokens
 
 
-def token_digest(tokens: np.ndarray) -> str:
-    """'sha256:<hex>' of the token stream's content (little-endian int64 ids): two runs trained on
-    the same corpus carry the same digest wherever the corpus lay on disk."""
+def token_digest(*parts: np.ndarray) -> str:
+    """'sha256:<hex>' of the token stream's content (little-endian int64 ids), given whole or as
+    consecutive parts (a TokenData's train and val splits): two runs trained on the same corpus
+    carry the same digest wherever the corpus lay on disk."""
     import hashlib
-    return "sha256:" + hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i8").tobytes()).hexdigest()
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def count_tokens(path: str | None) -> int:

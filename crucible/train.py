@@ -70,7 +70,6 @@ class Trainer:
         self.device = resolve_device(config.train.device)
         self.R, self.S, self.H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
         tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
-        self.data_digest = token_digest(tokens)
         self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
                               seed=config.seed)
         check_token_budget(len(self.data.train),
@@ -486,7 +485,9 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
         # per-window final losses: paired comparisons between runs on the same windows
         torch.save(trainer.last_window_losses.float(), out / "val_windows.pt")
     summary["versions"] = _versions(trainer.device)
-    summary["data_digest"] = trainer.data_digest   # the corpus by content, never by path
+    # the corpus by content, never by path: hashed once, when the summary is written (not in
+    # every Trainer's start-up; the splits are the stream's two consecutive parts)
+    summary["data_digest"] = token_digest(trainer.data.train.numpy(), trainer.data.val.numpy())
     summary["run_key"] = run_key
     summary["store_url"] = store_url
     write_json_atomic(out / "summary.json", summary)

@@ -502,3 +502,13 @@ def test_adopt_command_copies_identical_runs_and_runs_nothing(tmp_path: Path) ->
     assert "0 cells taken" in again.output
     bad = CliRunner().invoke(cli_app(), ["study", "adopt", str(tmp_path / "nope.toml")])
     assert bad.exit_code == 2 and "not found" in bad.output
+
+
+def test_token_digest_of_the_splits_is_the_digest_of_the_stream(tmp_path: Path) -> None:
+    from crucible.data import TokenData, load_tokens, token_digest
+    from crucible.presets import get_preset
+
+    config = get_preset("smoke")
+    tokens = load_tokens(None, vocab_size=256)
+    data = TokenData(tokens, model=config.model, data=config.data, replicas=1, seed=0)
+    assert token_digest(data.train.numpy(), data.val.numpy()) == token_digest(tokens)
