@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-all lint system-deps corpus clean
+.PHONY: install demo test test-unit test-slow test-all lint system-deps corpus clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -m "not slow" -q
+
+# the fast lane: tests/unit only (no Postgres, no S3 server, no Prefect, no browser)
+test-unit: install
+	$(BIN)/python -m pytest -m "unit and not slow" -q
 
 test-slow: install
 	$(BIN)/python -m pytest -m "slow" -q

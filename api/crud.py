@@ -13,6 +13,7 @@ instead of identified: `resolve_sweep` takes either.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -29,15 +30,16 @@ from sqlalchemy.orm import Session
 
 from api.errors import InvalidInputError, NotFoundError, RegistryError
 from api.schemas import MAX_TAGS
-from crucible import analysis
+from crucible import stats
 from crucible.config import Config, ConfigError
+from crucible.names import RUNNING
 from db.models import Event, Metric, Run, Sweep
 
 __all__ = [
     "create_sweep", "get_sweep", "resolve_sweep", "list_sweeps", "update_sweep", "create_run",
     "get_run", "TagLimitError",
     "list_runs", "update_run", "insert_metrics", "insert_events", "list_metrics", "list_events",
-    "sweep_run_rows", "sweep_robustness", "sweep_table", "encode_cursor", "decode_cursor",
+    "sweep_run_rows", "sweep_robustness", "sweep_claims", "sweep_table", "encode_cursor", "decode_cursor",
     "cursor_pattern",
 ]
 
@@ -311,27 +313,44 @@ def _resolve_config(config: dict[str, Any]) -> Config:
     return resolved
 
 
-def _find_baseline(session: Session, run: Run) -> uuid.UUID | None:
-    query = (select(Run.id)
-             .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
-                    Run.seed == run.seed, Run.duration == run.duration, Run.p == 0.0)
-             .order_by(Run.created_at, Run.id).limit(1))
-    return session.scalar(query)
+def _group_lock(session: Session, run: Run) -> None:
+    """Serialise re-linking one pairing group (sweep, arm, seed, duration) on Postgres: two
+    baselines of one group changing at once would otherwise each link from a stale view. A
+    transaction-scoped advisory lock, keyed by a stable 64-bit digest of the group. SQLite
+    writers already hold the database lock."""
+    if not _is_postgres(session):
+        return
+    name = f"{run.sweep_id}|{run.compression}|{run.seed}|{run.duration}".encode()
+    key = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "big", signed=True)
+    session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
 
-def _link_baselines(session: Session, run: Run) -> None:
-    """Keep `baseline_run_id` current whichever of a run and its baseline is created first."""
+def _relink_group(session: Session, run: Run) -> None:
+    """Store on every failure run of `run`'s pairing group the baseline that the one pairing
+    rule gives (`crucible.stats.pairing`: the first usable p = 0 run of the same sweep, arm,
+    seed and duration in creation order, else the first unfinished one), from the same rows
+    the robustness numbers are computed from (a run that owes records counts as running)."""
     if run.sweep_id is None:
         return
-    if run.p > 0:
-        run.baseline_run_id = _find_baseline(session, run)
-        return
-    session.execute(
-        update(Run)
-        .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
-               Run.seed == run.seed, Run.duration == run.duration, Run.p > 0,
-               Run.baseline_run_id.is_(None))
-        .values(baseline_run_id=run.id))
+    _group_lock(session, run)
+    session.flush()
+    query = (select(*_ANALYSIS_COLUMNS, Run.owed_records, Run.baseline_run_id)
+             .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
+                    Run.seed == run.seed, Run.duration == run.duration)
+             .order_by(Run.created_at, Run.id))
+    rows, linked = [], {}
+    for *values, owed, baseline in session.execute(query):
+        row = dict(zip(_ANALYSIS_KEYS, values, strict=True))
+        row["id"] = str(row["id"])
+        if owed:
+            row["status"] = RUNNING
+        rows.append(row)
+        linked[row["id"]] = None if baseline is None else str(baseline)
+    for run_id, baseline in stats.baseline_ids(rows).items():
+        if linked[run_id] != baseline:
+            session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(
+                baseline_run_id=None if baseline is None else uuid.UUID(baseline)))
+    session.expire_all()
 
 
 def _indexed_strategy(config: Config) -> str | None:
@@ -359,7 +378,7 @@ def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID 
               tags=sorted(set(tags or [])), notes=notes)
     session.add(run)
     session.flush()
-    _link_baselines(session, run)
+    _relink_group(session, run)
     session.commit()
     return run
 
@@ -400,9 +419,17 @@ def update_run(session: Session, *, run_id: uuid.UUID, changes: dict[str, Any]) 
     run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
     if run is None:
         raise NotFoundError(f"run {run_id} does not exist", field="run_id")
+    before = _pairing_view(run)
     _apply_changes(run, changes)
+    if run.p == 0.0 and _pairing_view(run) != before:
+        _relink_group(session, run)
     session.commit()
     return run
+
+
+def _pairing_view(run: Run) -> tuple[Any, ...]:
+    """What the pairing rule reads of a baseline: a change re-links its group."""
+    return run.status, run.final_val_loss, bool(run.owed_records)
 
 
 # ---------------------------------------------------------------- metrics and events
@@ -576,18 +603,41 @@ def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, A
         row = dict(zip(_ANALYSIS_KEYS, values, strict=True))
         row["id"] = str(row["id"])
         if owed:
-            row["status"] = "running"
+            row["status"] = RUNNING
         rows.append(row)
     return rows
 
 
 def sweep_robustness(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
-    """`crucible.analysis.robustness` of the sweep's runs, with "sweep_id" added."""
-    result = analysis.robustness(sweep_run_rows(session, sweep_id=sweep_id))
+    """`crucible.stats.robustness` of the sweep's runs, with "sweep_id" added."""
+    result = stats.robustness(sweep_run_rows(session, sweep_id=sweep_id))
+    return {"sweep_id": sweep_id, **result}
+
+
+def sweep_claims(session: Session, *, sweep_id: uuid.UUID,
+                 duration: int | None = None) -> dict[str, Any]:
+    """The blog's claims decided on the sweep's runs (`crucible.stats.sweep_claims`), with the
+    margins and the target half-width of its spec (0.5 points each where it sets none).
+    Raises InvalidInputError (field `duration`) when the runs span several failure durations
+    and none is chosen, or the chosen one has no run."""
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    spec = sweep.spec or {}
+
+    def number(name: str) -> float:
+        value = spec.get(name)
+        return float(value) if isinstance(value, int | float) and value > 0 else 0.5
+
+    try:
+        result = stats.sweep_claims(sweep_run_rows(session, sweep_id=sweep_id),
+                                    duration=duration, close_margin=number("close_margin"),
+                                    equivalence_margin=number("equivalence_margin"),
+                                    target_half_width=number("target_half_width"))
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), field="duration") from None
     return {"sweep_id": sweep_id, **result}
 
 
 def sweep_table(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
     """The Table-1 shape (p rows x arm columns) of the sweep's robustness items."""
     items = sweep_robustness(session, sweep_id=sweep_id)["items"]
-    return {"sweep_id": sweep_id, **analysis.robustness_table(items)}
+    return {"sweep_id": sweep_id, **stats.robustness_table(items)}

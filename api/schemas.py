@@ -46,6 +46,7 @@ from typing_extensions import (  # pydantic refuses typing.TypedDict before 3.12
 )
 
 from crucible.events import EVENT_KINDS, METRIC_NAMES
+from crucible.names import Compression, RunStatus, Strategy, SweepStatus  # noqa: F401
 from crucible.tags import MAX_NOTES, MAX_TAGS, TAG_PATTERN
 
 __all__ = [
@@ -69,10 +70,6 @@ MAX_JSON_DEPTH = 32
 MAX_JSON_NUMBER = sys.float_info.max  # numbers in documents must be finite as doubles
 
 # queued: waiting for a GPU slot; cancelled: stopped by the operator (final, like failed)
-RunStatus = Literal["pending", "queued", "running", "completed", "failed", "cancelled"]
-SweepStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
-Compression = Literal["none", "ssn", "mapl"]
-Strategy = Literal["skip", "drop", "drop_extend", "reroute"]
 MetricName = Literal[METRIC_NAMES]  # type: ignore[valid-type]
 EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
 EVENT_KIND_HELP = ("What happened. Per down stage-replica and global step exactly one of: bypass "
@@ -451,6 +448,53 @@ class RobustnessPublic(BaseModel):
     missing_baselines: list[MissingBaseline]
     pending_runs: int
     failed_runs: int
+
+
+class ClaimComparison(BaseModel):
+    label: str = Field(description="what is compared, e.g. \"SSN - MAPL, p = 0.1\"")
+    status: Literal["supports", "contradicts", "unresolved", "missing"]
+    mean: float | None = Field(description="points (percent of the baseline's loss); null "
+                                           "before any seed")
+    sd: float | None = Field(description="sd over seeds; null below 2 seeds")
+    ci_low: float | None = Field(description="95% Student-t interval over seeds; null below 2")
+    ci_high: float | None
+    half_width: float | None
+    n_seeds: int
+    seeds: list[int]
+    margin: float | None = Field(description="band rules: the band's half-width; sign rules: "
+                                             "null")
+    reference: float | None = Field(description="the blog's value of the same quantity, where "
+                                                "it gives one")
+    within_target: bool | None = Field(description="half_width <= the target half-width")
+    seeds_for_target: int | None = Field(description="seeds its measured sd says a "
+                                                     "±target interval needs")
+    seeds_to_decide: int | None = Field(description="unresolved comparisons: seeds after which "
+                                                    "the interval decides, if the mean and sd "
+                                                    "stay as measured")
+
+
+class ClaimOut(BaseModel):
+    tag: str
+    title: str
+    blog: str = Field(description="what the blog reports")
+    quantity: str
+    rule: str = Field(description="how the verdict follows from the intervals")
+    verdict: Literal["agrees", "disagrees", "not resolved", "not run yet"]
+    counts: dict[str, int]
+    seeds_to_decide: int | None = Field(description="seeds that would decide every unresolved "
+                                                    "comparison; null when none is unresolved")
+    comparisons_beyond_max_seeds: int | None
+    max_seeds: int
+    comparisons: list[ClaimComparison]
+
+
+class ClaimsPublic(BaseModel):
+    sweep_id: uuid.UUID
+    duration: int | None = Field(description="the failure duration the claims are decided at")
+    close_margin: float
+    equivalence_margin: float
+    target_half_width: float
+    claims: list[ClaimOut]
 
 
 class TableCell(BaseModel):

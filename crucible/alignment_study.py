@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from statistics import NormalDist
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 __all__ = ["METRICS", "AlignmentPoint", "Correlation", "alignment_points", "correlation",
@@ -61,7 +61,7 @@ class Correlation:
 def alignment_points(data: Any, p: float | None = None) -> list[AlignmentPoint]:
     """The (arm, seed) points of a StudyData at skip, failure rate `p` (default: the grid's
     highest p of an unlabelled skip cell)."""
-    from crucible.study import ARMS
+    from crucible.names import ARMS
 
     skip_ps = sorted(k.p for k in data.grid() if k.strategy == "skip" and not k.label)
     if not skip_ps:

@@ -8,7 +8,6 @@ one stage bypassed at a time. `crucible bypass-damage RUN_DIR` runs it on a fini
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import tempfile
@@ -18,41 +17,15 @@ from typing import Any
 import torch
 
 from crucible.config import Config, ConfigError
+from crucible.model_file import MODEL_FILE, load_global_weights
+from crucible.train import Trainer, standard_error
 
-__all__ = ["save_global_weights", "load_global_weights", "bypass_damage", "evaluate_run",
-           "DECODE_OPTIONS", "MODEL_FILE", "MAX_MODEL_BYTES"]
+# the model file lives in crucible.model_file: the trainer writes it and this module imports the
+# trainer, so the dependency runs one way (bypass -> train)
 
-MODEL_FILE = "model.pt"
-MAX_MODEL_BYTES = 8 << 30          # a 178M fp32 model is 0.7 GB; refuse anything absurd
+__all__ = ["bypass_damage", "evaluate_run", "DECODE_OPTIONS"]
+
 DECODE_OPTIONS = ("identity", "sender", "receiver")
-
-
-def save_global_weights(path: Path, weights: list[dict[str, torch.Tensor]]) -> None:
-    """Write the global weights of every stage (write-then-rename)."""
-    from crucible.summary import write_bytes_atomic
-
-    buffer = io.BytesIO()
-    torch.save({"format": 1, "stages": [{n: t.detach().cpu() for n, t in w.items()}
-                                        for w in weights]}, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
-
-
-def load_global_weights(path: Path) -> list[dict[str, torch.Tensor]]:
-    """The stages' global weights from `save_global_weights`; ConfigError on a bad file."""
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist: bypass-damage needs a run folder that "
-                          f"`crucible run` finished (it writes {MODEL_FILE} at the end)")
-    size = path.stat().st_size
-    if size > MAX_MODEL_BYTES:
-        raise ConfigError(f"{path} is {size} bytes, over the {MAX_MODEL_BYTES}-byte limit")
-    try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
-        stages = payload["stages"]
-        if payload.get("format") != 1 or not isinstance(stages, list):
-            raise ValueError("unknown format")
-        return [{str(n): t for n, t in w.items()} for w in stages]
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear error
-        raise ConfigError(f"{path} is not a Crucible model file ({exc}); re-run the run") from None
 
 
 def _config_of(run_dir: Path) -> Config:
@@ -71,7 +44,6 @@ def _trained(run: Path, eval_tokens: int | None, scratch: str):
     from crucible.config import apply_overrides
     from crucible.events import MultiCallback
     from crucible.store import open_store
-    from crucible.train import Trainer
 
     config = _config_of(run)
     weights = load_global_weights(run / MODEL_FILE)
@@ -114,8 +86,6 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
     codecs have one way to bypass). Returns {"config", "eval_tokens", "intact", "rows": [{stage,
     decode, val_loss, damage_pct, damage_stderr_pct}]}; damage is paired (same windows), its
     standard error taken over windows."""
-    from crucible.train import standard_error
-
     with tempfile.TemporaryDirectory(prefix="crucible-bypass-") as scratch:
         trainer = _trained(Path(run_dir), eval_tokens, scratch)
         config = trainer.config

@@ -56,9 +56,10 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
     """One row per (pilot of `spec`, arm), in the pilots' order; raises StudyError for a pilot
     spec that does not load."""
     from crucible.config import apply_overrides
-    from crucible.precision import seeds_for_half_width
+    from crucible.names import ARMS
     from crucible.presets import get_preset
-    from crucible.study import ARMS, StudyData, load_results, load_spec, stat_of
+    from crucible.stats import seeds_for_half_width, stat_of
+    from crucible.study import StudyData, load_results, load_spec
 
     target = spec.resolve_threshold if target is None else target
     per_arm = _grid_cells_per_arm(spec)
@@ -100,7 +101,7 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
 
 
 def _f(value: float | None, fmt: str) -> str:
-    from crucible.study import _num
+    from crucible.study.formatting import _num
 
     return _num(None if value is not None and math.isnan(value) else value, fmt)
 
@@ -164,7 +165,8 @@ def token_rows(spec: Any) -> list[dict[str, Any]]:
     """Per arm of the `token_check` pair (half, full): the seeds both ran, each seed's change of
     the baseline's final loss from full to half the tokens (%), and the full baselines' seed
     sd (% of their mean)."""
-    from crucible.study import ARMS, StudyData, load_results, load_spec
+    from crucible.names import ARMS
+    from crucible.study import StudyData, load_results, load_spec
 
     half_spec, full_spec = (load_spec(p) for p in spec.token_check)
     half = StudyData(half_spec, load_results(half_spec))

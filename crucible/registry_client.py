@@ -141,6 +141,10 @@ class ApiClient:
     def robustness(self, sweep_id: str) -> dict[str, Any]:
         return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/robustness")
 
+    def claims(self, sweep_id: str, *, duration: int | None = None) -> dict[str, Any]:
+        params = None if duration is None else {"duration": duration}
+        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/claims", params=params)
+
     def table(self, sweep_id: str) -> dict[str, Any]:
         return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/table")
 

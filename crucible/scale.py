@@ -8,28 +8,12 @@ tell. Stdlib only.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from crucible.analysis import t_quantile
+from crucible.stats import welch
 
-__all__ = ["welch", "scale_rows", "scale_section"]
-
-
-def welch(a: Any, b: Any) -> tuple[float, float, float] | None:
-    """(mean of a - mean of b, lo, hi): the 95% Welch interval of two Stats (floor of the
-    Welch-Satterthwaite degrees of freedom, so slightly conservative); None below 2 each."""
-    if a.n < 2 or b.n < 2 or a.sd is None or b.sd is None:
-        return None
-    va, vb = a.sd ** 2 / a.n, b.sd ** 2 / b.n
-    se = math.sqrt(va + vb)
-    diff = a.mean - b.mean
-    if se == 0:
-        return diff, diff, diff
-    dof = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
-    t = t_quantile(0.975, max(1, math.floor(dof)))
-    return diff, diff - t * se, diff + t * se
+__all__ = ["scale_rows", "scale_section"]
 
 
 def scale_rows(data: Any) -> list[dict[str, Any]]:
@@ -55,13 +39,13 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
 
 
 def _pct(s: Any) -> str:
-    from crucible.study import _pct as pct
+    from crucible.study.formatting import _pct as pct
 
     return pct(s) if s.mean is None else f"{pct(s)} (n={s.n})"
 
 
 def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
-    from crucible.study import _cell_name
+    from crucible.study.formatting import _cell_name
 
     rows = scale_rows(data)
     if not rows:

@@ -304,6 +304,8 @@ class S3Store:
     Credentials come from the usual boto3 chain. Checksums are computed and validated only when
     required, which S3-compatible stores (R2, MinIO) need. Transient failures are retried
     `attempts` times with exponential backoff and jitter, then raised as `TransientStoreError`.
+    That loop is the only retry layer: botocore's own retries are off (`total_max_attempts` 1),
+    so an outage costs `attempts` requests, not `attempts` x botocore's.
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
@@ -319,7 +321,7 @@ class S3Store:
         self.attempts, self.backoff_s = max(1, attempts), backoff_s
         config = BotoConfig(request_checksum_calculation="when_required",
                             response_checksum_validation="when_required",
-                            retries={"max_attempts": 3, "mode": "standard"},
+                            retries={"total_max_attempts": 1, "mode": "standard"},
                             connect_timeout=10, read_timeout=60)
         self._client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region,
                                     config=config)

@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from crucible.boundary import wire_bytes
 from crucible.config import Config
 from crucible.events import Callback, Event
-from crucible.faults import FaultPlan
 
+# torch (and the modules that need it) load with the first RunCounters call, not with this module:
+# the file helpers below are used by the CLI, the study and the flows, which must not pull torch in
 if TYPE_CHECKING:
+    import torch
+
+    from crucible.faults import FaultPlan
     from crucible.strategy import StepPlan
     from crucible.sync import StageSyncResult
 
@@ -80,6 +81,8 @@ class RunCounters:
 
     @classmethod
     def empty(cls, *, replicas: int, stages: int) -> RunCounters:
+        import torch
+
         return cls(inner_steps=torch.zeros(replicas, stages, dtype=torch.long),
                    donor_load=torch.zeros(replicas, stages, dtype=torch.long))
 
@@ -93,6 +96,8 @@ class RunCounters:
         self.down_replica_steps += int(step.down.any(dim=1).sum())
         if step.extra_load is not None:
             self.donor_load += step.extra_load * h
+        from crucible.boundary import wire_bytes
+
         forward, backward = wire_bytes(config)
         crossings_tokens = int(step.crossings().sum()) * tokens_per_replica
         self.bytes_forward += crossings_tokens * forward
@@ -159,5 +164,7 @@ class RunCounters:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
         for key, value in state.items():
             setattr(self, key, value.clone() if isinstance(value, torch.Tensor) else value)

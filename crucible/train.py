@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from crucible import boundary
-from crucible.bypass import MODEL_FILE, save_global_weights
 from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
@@ -31,6 +30,7 @@ from crucible.errors import TrainingDiverged
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
 from crucible.ids import validate_id
+from crucible.model_file import MODEL_FILE, save_global_weights
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
 from crucible.pipeline import ReplicatedPipeline
 from crucible.presets import tokens_per_global_step

@@ -21,7 +21,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api import crud
-from api.errors import NotFoundError
+from api.errors import InvalidInputError, NotFoundError
 from api.schemas import (
     TAG_PATTERN,
     Compression,
@@ -31,6 +31,7 @@ from api.schemas import (
     SweepPublic,
     SweepStatus,
 )
+from crucible.names import UNFINISHED_STATUSES
 from db.models import Event, Metric, Run, Sweep
 
 __all__ = ["sweep_view", "run_view", "index_view", "compare_view", "run_state", "sweep_state", "INDEX_FILTERS",
@@ -41,7 +42,7 @@ MAX_EVENTS = 50_000  # a run's timeline never needs more; keeps a pathological r
 # the last): a 100k-step run with 64 replicas still sends ~32k points, not 6.4M
 MAX_TRAIN_STEPS = 500
 # a run or sweep in one of these may still change: its page polls for news
-LIVE_STATUSES = frozenset({"pending", "queued", "running"})
+LIVE_STATUSES = UNFINISHED_STATUSES
 _PAGE = 5_000
 T = TypeVar("T")
 
@@ -79,7 +80,8 @@ def _val_loss(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
 
 
 def sweep_view(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
-    """{"sweep", "robustness", "table", "runs"} of a sweep, as plain JSON-ready dicts.
+    """{"sweep", "robustness", "table", "claims", "runs"} of a sweep, as plain JSON-ready
+    dicts (the REST shapes).
 
     Raises `api.errors.NotFoundError` for an unknown sweep.
     """
@@ -88,9 +90,15 @@ def sweep_view(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
                                                     cursor=cursor))
     robustness = crud.sweep_robustness(session, sweep_id=sweep_id)
     table = crud.sweep_table(session, sweep_id=sweep_id)
+    try:
+        claims: dict[str, Any] = {**crud.sweep_claims(session, sweep_id=sweep_id),
+                                  "sweep_id": str(sweep_id)}
+    except InvalidInputError as exc:     # several failure durations: no one set of claims
+        claims = {"sweep_id": str(sweep_id), "claims": [], "error": str(exc)}
     return {"sweep": sweep.model_dump(mode="json"),
             "robustness": {**robustness, "sweep_id": str(sweep_id)},
             "table": {**table, "sweep_id": str(sweep_id)},
+            "claims": claims,
             "runs": [_run_dict(r) for r in runs]}
 
 

@@ -35,11 +35,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from crucible.names import RUN_STATUSES, SWEEP_STATUSES
+
 __all__ = ["Base", "Sweep", "Run", "Metric", "Event", "ApiToken", "RUN_STATUSES", "SWEEP_STATUSES",
            "utcnow"]
 
-RUN_STATUSES = ("pending", "queued", "running", "completed", "failed", "cancelled")
-SWEEP_STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 
 # Named constraints so migrations can drop them by name on every backend.
 _NAMING = {

@@ -45,6 +45,7 @@ from crucible.config import Config, apply_overrides
 from crucible.data import check_config_budget
 from crucible.events import Callback, Event, Metric
 from crucible.ids import validate_id
+from crucible.names import FINAL_STATUSES
 from crucible.presets import get_preset
 from crucible.reporting import (
     ApiUnavailable,
@@ -245,7 +246,7 @@ def finish_run(run_id: str, settings: FlowSettings, summary: dict[str, Any] | No
                       timeout_s=settings.replay_timeout_s)
 
 
-_FINAL = ("completed", "failed", "cancelled")
+_FINAL = tuple(sorted(FINAL_STATUSES))
 # how long a hook waits for a run's spool to settle: a dying process may still hold it, and its
 # final state waits on disk for the next replay anyway
 _HOOK_SETTLE_S = 5.0

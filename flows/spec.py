@@ -21,19 +21,19 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
+
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "Cell", "expand_grid",
            "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "ANNOTATIONS", "DEMO_SPEC"]
 
-Arm = Literal["none", "ssn", "mapl"]
-StrategyName = Literal["skip", "drop", "drop_extend", "reroute"]
+Arm = Compression
+StrategyName = Strategy
 PresetName = Literal["smoke", "small", "study", "study-d128", "paper-178m"]
 
-ARMS: tuple[str, ...] = get_args(Arm)
-STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
-BASELINE_STRATEGY = "skip"
-# fields that describe a sweep without changing what it runs (SweepSpec.identity)
-ANNOTATIONS = ("tags", "notes")
+# fields that describe a sweep without changing what it runs (SweepSpec.identity): how it is
+# read (its claims' margins and target) is not what it runs either
+ANNOTATIONS = ("tags", "notes", "close_margin", "equivalence_margin", "target_half_width")
 
 
 def _check_choices(values: Any, allowed: tuple[str, ...], what: str) -> Any:
@@ -89,6 +89,13 @@ class SweepSpec(BaseModel):
         None, description="Object store for checkpoints and contributions: file:///path or "
                           "s3://bucket/prefix. Empty = the worker's CRUCIBLE_STORE_URL, else a "
                           "local folder beside each run.")
+    max_seeds: int | None = Field(
+        None, ge=2, le=1000,
+        description="Seeds by precision: after the listed seeds, add seeds (and their "
+                    "baselines) to every cell whose paired 95% half-width is above "
+                    "target_half_width, widest first, up to this many seeds a cell. Empty = "
+                    "run the listed seeds only. It stops on an interval's width, never on the "
+                    "size or sign of an effect.")
     max_concurrent_runs: int = Field(
         2, ge=1, le=1024,
         description="Most cells in flight at once (each also waits for a GPU slot on its host).")
@@ -103,6 +110,19 @@ class SweepSpec(BaseModel):
     notes: str | None = Field(
         None, max_length=10_000,
         description="Free-text notes on the sweep, shown on its dashboard page.")
+    close_margin: float = Field(
+        0.5, gt=0, le=100,
+        description="Claim (d), \"MAPL is close to uncompressed\": the band, in points of "
+                    "the baseline's loss, that the paired interval must lie inside.")
+    equivalence_margin: float = Field(
+        0.5, gt=0, le=100,
+        description="Claim (e), \"at p = 0.01 the loss stays close to its baseline\": the "
+                    "equivalence band in points.")
+    target_half_width: float = Field(
+        0.5, gt=0, le=100,
+        description="The 95% half-width, in points, a cell's interval should reach; the "
+                    "Claims panel shows each comparison's width against it and the seeds "
+                    "its measured sd says it needs.")
 
     @field_validator("arms", mode="before")
     @classmethod
@@ -170,6 +190,13 @@ class SweepSpec(BaseModel):
         return check_notes(value, field="notes")
 
     @model_validator(mode="after")
+    def _seed_budget(self) -> SweepSpec:
+        if self.max_seeds is not None and self.max_seeds < len(self.seeds):
+            raise ValueError(f"max_seeds ({self.max_seeds}) is below the {len(self.seeds)} "
+                             "seeds listed; raise max_seeds or list fewer seeds")
+        return self
+
+    @model_validator(mode="after")
     def _non_empty_grid(self) -> SweepSpec:
         self.arms = _dedupe(self.arms)
         self.strategies = _dedupe(self.strategies)
@@ -185,7 +212,9 @@ class SweepSpec(BaseModel):
     def identity(self) -> dict[str, Any]:
         """The spec as JSON without its annotations (`ANNOTATIONS`): what makes two sweeps the
         same sweep, so a re-run with other tags or notes continues the one it re-runs."""
-        return self.model_dump(mode="json", exclude=set(ANNOTATIONS))
+        # a sweep without precision rounds keeps the identity it had before they existed
+        unset = {"max_seeds"} if self.max_seeds is None else set()
+        return self.model_dump(mode="json", exclude=set(ANNOTATIONS) | unset)
 
 
 @dataclass(frozen=True)

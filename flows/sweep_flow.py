@@ -5,8 +5,11 @@ register the sweep (or continue the one with the same name and spec: tags and no
 `SweepSpec.identity`) and every cell's run, with the sweep's tags -> post a link to the sweep's
 dashboard page -> run the cells, at most `max_concurrent_runs` at a time, in this flow run or as
 runs of the `train-run` deployment (each cell also waits for a GPU slot on its host), with a live
-progress bar -> post the robustness table (its columns are the REST names of
-`GET /api/v1/sweeps/{id}/robustness`) as Prefect artifacts.
+progress bar -> with `max_seeds`, rounds of seeds by precision (seeds added to every cell whose paired 95%
+half-width is above `target_half_width`, widest first, until each meets it or has `max_seeds`)
+-> post the robustness table (its columns are the REST names of
+`GET /api/v1/sweeps/{id}/robustness`) and the claims table (`GET /api/v1/sweeps/{id}/claims`,
+`crucible.stats.claim_rows`) as Prefect artifacts.
 
 Names in Prefect: the sweep's flow run is named after the sweep (`spec.name`, also for a run
 started from the UI's form); each cell's flow run, in this process or of the deployment, is named
@@ -49,6 +52,9 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config
+from crucible.names import FINAL_STATUSES
+from crucible.registry_client import ApiError, ApiUnavailable
+from crucible.stats import claim_rows, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
@@ -56,7 +62,7 @@ from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_ru
 from flows.settings import FlowSettings
 from flows.spec import ANNOTATIONS, Cell, SweepSpec
 
-__all__ = ["failure_sweep", "find_sweep", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
+__all__ = ["failure_sweep", "find_sweep", "extra_cells", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
            "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
 
 _log = logging.getLogger(__name__)
@@ -82,15 +88,46 @@ class _Planned:
     done: bool = False
 
 
-def _plan(spec: SweepSpec, settings: FlowSettings) -> list[_Planned]:
-    """Resolve every cell's config up front; raises ConfigError before anything is registered."""
+def _plan(spec: SweepSpec, settings: FlowSettings,
+          cells: list[Cell] | None = None) -> list[_Planned]:
+    """Resolve every cell's config up front (default: the spec's grid); raises ConfigError
+    before anything is registered."""
     store = spec.store_url or settings.store_url
     planned = []
-    for cell in spec.cells():
+    for cell in spec.cells() if cells is None else cells:
         overrides = cell.overrides(spec)
         config = resolve_config(spec.preset, overrides, store, settings.s3_endpoint_url)
         planned.append(_Planned(cell, overrides, config, config_fingerprint(config)))
     return planned
+
+
+def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, int], int]],
+                runs: list[dict[str, Any]]) -> list[Cell]:
+    """The cells a precision round adds (`crucible.stats.seeds_wanted`): for each wide cell
+    the lowest seeds it has no run of, until it has the wanted count, widest cell first; and
+    the p = 0 baseline of each new (arm, seed) that has none yet, ahead of them."""
+    have: dict[tuple[str, str, float], set[int]] = {}
+    bases: set[tuple[str, int]] = set()
+    for run in runs:
+        if float(run["p"]) == 0.0:
+            bases.add((run["compression"], int(run["seed"])))
+        else:
+            have.setdefault((run["compression"], run["strategy"], float(run["p"])),
+                            set()).add(int(run["seed"]))
+    added: list[Cell] = []
+    baselines: list[Cell] = []
+    for (arm, strategy, p, _duration), count in wanted:
+        seeds = have.setdefault((arm, strategy, p), set())
+        seed = 0
+        while len(seeds) < count:
+            if seed not in seeds:
+                seeds.add(seed)
+                added.append(Cell(arm=arm, strategy=strategy, p=p, seed=seed))
+                if (arm, seed) not in bases:
+                    bases.add((arm, seed))
+                    baselines.append(Cell(arm=arm, strategy=None, p=0.0, seed=seed))
+            seed += 1
+    return baselines + added
 
 
 def _items(result: Any) -> list[dict[str, Any]]:
@@ -288,7 +325,7 @@ def _end_sweep(flow_run: Any, state: Any, *, status: str, lead: str, cells: bool
         if sweep is None:                       # ended before it registered anything
             return
         runs = _items(client.list_runs(sweep_id=str(sweep["id"]))) if cells else []
-        if sweep.get("status") not in ("completed", "failed", "cancelled"):
+        if sweep.get("status") not in FINAL_STATUSES:
             client.update_sweep(str(sweep["id"]), status=status)
     if cells:
         flow_runs = [str(flow_run.id)] + [str(r["prefect_flow_run_id"]) for r in runs
@@ -315,9 +352,10 @@ def _on_failed(flow: Any, flow_run: Any, state: Any) -> None:
 def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
     """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
 
-    Returns {sweep_id, runs, completed, failed, cancelled, owed, skipped, rows} (cancelled:
-    cells whose own flow run was cancelled); the flow run fails (after
-    posting the artifacts) if any cell failed.
+    Returns {sweep_id, runs, completed, failed, cancelled, owed, skipped, rows,
+    precision_rounds} (cancelled: cells whose own flow run was cancelled; precision_rounds:
+    per round of seeds by precision {round, cells, runs}, empty without `max_seeds`); the flow
+    run fails (after posting the artifacts) if any cell failed.
     """
     logger = get_run_logger()
     settings = FlowSettings()
@@ -344,9 +382,13 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     results = _run_cells(spec, sweep_id, todo, settings, on_done)
     drain_spools(settings)     # cells that ended owing records may be complete now
     results = _registry_status(results, settings)
+    rounds: list[dict[str, Any]] = []
+    if spec.max_seeds is not None and not any(r["status"] == "failed" for r in results):
+        rounds = _precision_rounds(spec, sweep_id, planned, settings)
+        results += [r for item in rounds for r in item.pop("results")]
     failed = [r for r in results if r["status"] == "failed"]
     cancelled = [r for r in results if r["status"] == "cancelled"]   # one cell cancelled
-    owed = [r for r in results if r["status"] not in ("completed", "failed", "cancelled")]
+    owed = [r for r in results if r["status"] not in FINAL_STATUSES]
     if owed:
         logger.warning("%d run(s) of sweep %s still owe records to the registry (%s); they "
                        "count once the next replay delivers them (`crucible api replay`)",
@@ -354,14 +396,51 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     rows = _publish(sweep_id, spec, settings)
     with make_client(settings) as client:
         client.update_sweep(sweep_id, status="failed" if failed else "completed")
-    outcome = {"sweep_id": sweep_id, "runs": len(planned),
+    outcome = {"sweep_id": sweep_id,
+               "runs": len(planned) + sum(item["runs"] for item in rounds),
                "completed": len(results) - len(failed) - len(owed) - len(cancelled),
                "failed": len(failed), "cancelled": len(cancelled), "owed": len(owed),
-               "skipped": skipped, "rows": rows}
+               "skipped": skipped, "rows": rows, "precision_rounds": rounds}
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(planned)} cells of sweep {sweep_id} failed: "
                            + "; ".join(f"{r['run_id']}: {r['reason']}" for r in failed[:5]))
     return outcome
+
+
+def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
+                      settings: FlowSettings) -> list[dict[str, Any]]:
+    """Seeds by precision (`SweepSpec.max_seeds`): after each round, add seeds to the cells
+    whose paired 95% half-width is above `target_half_width`, widest first, run them, and
+    repeat until every cell meets the target or has `max_seeds` seeds; stops early when a cell
+    of a round fails. Returns per round {round, cells, runs, results}."""
+    logger = get_run_logger()
+    rounds: list[dict[str, Any]] = []
+    known = list(planned)
+    for number in range(1, spec.max_seeds + 1):       # each round adds a seed to some cell
+        with make_client(settings) as client:
+            items = client.robustness(sweep_id)["items"]
+            runs = _items(client.list_runs(sweep_id=sweep_id))
+        wanted = seeds_wanted(items, target=spec.target_half_width, max_seeds=spec.max_seeds)
+        cells = extra_cells(spec, wanted, runs)
+        if not cells:
+            break
+        extra = _plan(spec, settings, cells)
+        known += extra
+        _, records = register_sweep(spec, known, settings)
+        for item in extra:
+            item.run_id, item.done = records[item.fingerprint]
+        todo = [item for item in extra if not item.done]
+        logger.info("sweep %s, precision round %d: %d cell(s) above ±%g points get seeds; "
+                    "%d run(s)", sweep_id, number, len(wanted), spec.target_half_width,
+                    len(todo))
+        results = _run_cells(spec, sweep_id, todo, settings, lambda _result: None)
+        drain_spools(settings)
+        results = _registry_status(results, settings)
+        rounds.append({"round": number, "cells": len(wanted), "runs": len(extra),
+                       "results": results})
+        if not todo or any(r["status"] != "completed" for r in results):
+            break
+    return rounds
 
 
 def _registry_status(results: list[dict[str, Any]],
@@ -397,6 +476,20 @@ def _publish(sweep_id: str, spec: SweepSpec, settings: FlowSettings) -> list[dic
     """Post the robustness table; returns its rows."""
     with make_client(settings) as client:
         rows = robustness_rows(client.robustness(sweep_id))
+        try:
+            claims = claim_rows(client.claims(sweep_id))
+        except ApiError as exc:   # 422: several failure durations, no one set of claims
+            if isinstance(exc, ApiUnavailable) or exc.status_code != 422:
+                raise
+            get_run_logger().info("no claims table for sweep %s: %s", sweep_id, exc.detail)
+            claims = []
+    if claims:
+        create_table_artifact(
+            table=claims, key=_artifact_key(sweep_id, "claims"),
+            description=f"Sweep {spec.name}: the blog's claims decided on paired 95% intervals "
+                        "(points of the baseline's loss): verdict per claim, each comparison's "
+                        "interval against the blog's value (reference), its half-width against "
+                        "the target, and the seeds its measured sd says would settle it.")
     create_table_artifact(
         table=rows, key=_artifact_key(sweep_id, "robustness"),
         description=f"Sweep {spec.name}: mean relative validation-loss increase (%) against "

@@ -25,6 +25,24 @@ pytest_plugins = [
 ]
 
 
+_FOLDER_MARKERS = {"unit": ("unit",), "integration": ("integration",),
+                   "browser": ("browser", "integration")}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers by folder: tests/unit -> unit (no Postgres, no S3 server, no Prefect, no
+    browser), tests/integration -> integration, tests/browser -> browser and integration; so
+    `-m unit` is the fast lane and a test's folder says what it needs."""
+    root = config.rootpath / "tests"
+    for item in items:
+        try:
+            folder = item.path.relative_to(root).parts[0]
+        except ValueError:
+            continue
+        for name in _FOLDER_MARKERS.get(folder, ()):
+            item.add_marker(name)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep every test's working folder private; the corpus cache stays the user's."""

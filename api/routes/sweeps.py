@@ -1,4 +1,4 @@
-"""Sweep routes: create, list, get, update, and the robustness summary and table.
+"""Sweep routes: create, list, get, update, the robustness summary and table, and the claims.
 
 `/sweeps/{sweep_ref}` takes a sweep's UUID or its exact name (the newest sweep of that name;
 `api.crud.resolve_sweep`). GET /sweeps takes `tag=` and `fields=` as GET /runs does.
@@ -17,6 +17,7 @@ from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
 from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
 from api.schemas import (
+    ClaimsPublic,
     Page,
     RobustnessPublic,
     SweepCreate,
@@ -99,6 +100,22 @@ def robustness(sweep_ref: SweepRef, session: SessionDep) -> RobustnessPublic:
     runs behind it; baselines that are missing; how many runs are still pending or running."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
     return RobustnessPublic.model_validate(crud.sweep_robustness(session, sweep_id=sweep_id))
+
+
+@router.get("/{sweep_ref}/claims", response_model=ClaimsPublic, dependencies=[ReadAuthDep],
+            responses=read_responses(404))
+def claims(sweep_ref: SweepRef, session: SessionDep,
+           duration: Annotated[int | None, Query(ge=1, le=2**31 - 1, description=(
+               "the failure duration to decide at; needed only when the sweep's runs have "
+               "several"))] = None) -> ClaimsPublic:
+    """The blog's claims (a)-(e) decided on the sweep's runs: per claim its verdict (agrees,
+    disagrees, not resolved, not run yet), and per comparison the paired 95% interval, the
+    blog's value where it gives one, the half-width against the sweep's target and the seeds
+    its measured sd says would settle it. Computed by `crucible.stats`, the module that also
+    renders the study document."""
+    sweep_id = crud.resolve_sweep(session, sweep_ref).id
+    return ClaimsPublic.model_validate(crud.sweep_claims(session, sweep_id=sweep_id,
+                                                         duration=duration))
 
 
 @router.get("/{sweep_ref}/table", response_model=TablePublic, dependencies=[ReadAuthDep],

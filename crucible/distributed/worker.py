@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from crucible.boundary import wire_bytes
-from crucible.bypass import MODEL_FILE, save_global_weights
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, check_token_budget, load_tokens
 from crucible.distributed.sync import ReplicaSync
 from crucible.events import Event, JsonlCallback, Metric
 from crucible.faults import FaultPlan, draw_plan
+from crucible.model_file import MODEL_FILE, save_global_weights
 from crucible.optim import ReplicaAdamW
 from crucible.pipeline import ReplicatedPipeline
 from crucible.presets import tokens_per_global_step

@@ -58,6 +58,11 @@ table.data#facts { max-width: 640px; }
 table.data#facts th { position: static; }
 table.data td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .status-completed, .status-finished { color: #1a7f37; } .status-failed { color: #cf222e; }
+td.verdict { font-weight: 600; } .verdict-ok { color: #1a7f37; } .verdict-bad { color: #cf222e; }
+.verdict-open { color: #9a6700; } .verdict-none { color: #57606a; }
+.status-supports { color: #1a7f37; } .status-contradicts { color: #cf222e; }
+.status-unresolved { color: #9a6700; } .status-missing { color: #57606a; }
+.width-ok { color: #1a7f37; } .width-open { color: #9a6700; }
 .status-running, .status-pending, .status-queued { color: #9a6700; }
 .status-cancelled { color: #57606a; }
 a { color: var(--accent); }

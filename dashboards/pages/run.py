@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from crucible.names import UNFINISHED_STATUSES
 from dashboards import figures
 from dashboards.datasets import export_links
 from dashboards.pages._common import (
@@ -237,7 +238,7 @@ def _banners(run: Mapping[str, Any], baseline: Mapping[str, Any] | None,
                                      "(they wait in its spool). The figures miss them, and the "
                                      "run is not counted as finished until they arrive "
                                      "(<code>crucible api replay</code>)."))
-    elif run.get("status") in {"pending", "queued", "running"}:
+    elif run.get("status") in UNFINISHED_STATUSES:
         follow = ("this page updates itself as records arrive" if live
                   else "reload to see progress")
         parts.append(banner("info", "This run is still in progress; figures show what has been "

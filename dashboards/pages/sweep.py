@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from crucible.stats import claim_rows
 from dashboards import figures
 from dashboards.datasets import export_links, robustness_rows, run_rows, table_rows
 from dashboards.pages._common import (
@@ -36,7 +37,7 @@ from dashboards.pages._widgets import (
 )
 from dashboards.style import arm_label
 
-__all__ = ["sweep_page"]
+__all__ = ["sweep_page", "claims_panel"]
 
 
 def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
@@ -78,6 +79,81 @@ def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
                                        "cannot be compared and are left out of the curves and "
                                        "the table."))
     return banners
+
+
+_VERDICT_CLASS = {"agrees": "ok", "disagrees": "bad", "not resolved": "open",
+                  "not run yet": "none"}
+
+
+def _interval(c: Mapping[str, Any]) -> str:
+    mean, lo, hi = c.get("mean"), c.get("ci_low"), c.get("ci_high")
+    if mean is None:
+        return "not run yet"
+    if lo is None or hi is None:
+        return f"{mean:+.2f} (1 seed, no interval)"
+    return f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _width(c: Mapping[str, Any], target: float) -> str:
+    half = c.get("half_width")
+    if half is None:
+        return "—"
+    mark = "≤" if half <= target else "&gt;"
+    cls = "ok" if half <= target else "open"
+    return f'<span class="width-{cls}">±{half:.2f} {mark} {target:g}</span>'
+
+
+def _seeds(c: Mapping[str, Any], max_seeds: int) -> str:
+    need = c.get("seeds_for_target")
+    have = c.get("n_seeds") or 0
+    text = f"&gt; {max_seeds}" if need is None and c.get("sd") is not None else (
+        "—" if need is None else str(need))
+    decide = c.get("seeds_to_decide")
+    if c.get("status") == "unresolved":
+        text += f" · decides at {decide if decide is not None else f'&gt; {max_seeds}'}"
+    return f"{have} / {text}"
+
+
+def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
+    """The Claims panel: per claim of the blog its verdict, and per comparison the paired 95%
+    interval against the blog's value, the half-width against the sweep's target, and the
+    seeds it has / needs for the target (· the seeds that would decide it, if unresolved)."""
+    if claims.get("error"):
+        return (f'<section id="claims"><h2>Claims</h2>'
+                f'{banner("info", esc(claims["error"]))}</section>')
+    items = claims.get("claims") or []
+    if not items:
+        return ""
+    target = float(claims.get("target_half_width") or 0.5)
+    head = ("<tr><th>claim</th><th>verdict</th><th>comparison</th><th>status</th>"
+            "<th>paired 95% interval, points</th><th>blog</th><th>half-width vs target</th>"
+            "<th>seeds: have / need for target</th></tr>")
+    rows = []
+    for claim in items:
+        comparisons = claim.get("comparisons") or [{}]
+        verdict = str(claim.get("verdict"))
+        span = f' rowspan="{len(comparisons)}"'
+        lead = (f'<td{span} title="{esc(claim.get("rule"))}"><b>({esc(claim.get("tag"))})</b> '
+                f'{esc(claim.get("title"))}<br><small>blog: {esc(claim.get("blog"))}</small></td>'
+                f'<td{span} class="verdict verdict-{_VERDICT_CLASS.get(verdict, "none")}" '
+                f'data-claim="{esc(claim.get("tag"))}">{esc(verdict)}</td>')
+        for i, c in enumerate(comparisons):
+            ref = c.get("reference")
+            cells = (f"<td>{esc(c.get('label') or '—')}</td>"
+                     f"<td class=\"status-{esc(c.get('status'))}\">{esc(c.get('status') or '—')}</td>"
+                     f"<td class=num>{esc(_interval(c)) if c else '—'}</td>"
+                     f"<td class=num>{'—' if ref is None else f'{ref:+.2f}'}</td>"
+                     f"<td class=num>{_width(c, target)}</td>"
+                     f"<td class=num>{_seeds(c, int(claim.get('max_seeds') or 1000)) if c else '—'}</td>")
+            rows.append(f"<tr>{lead if i == 0 else ''}{cells}</tr>")
+    note = (f'<p class="meta">Decided on paired 95% intervals over seeds, in points of each '
+            f"arm's own no-failure loss (failure duration {esc(claims.get('duration'))}); "
+            f"close = ±{float(claims.get('close_margin') or 0.5):g}, equivalence = "
+            f"±{float(claims.get('equivalence_margin') or 0.5):g}, target half-width "
+            f"±{target:g}. A verdict never rests on one seed; hover a claim for its rule.</p>")
+    return (f'<section id="claims"><h2>Claims</h2>{note}'
+            f'<table class="data" id="claims-table">{head}{"".join(rows)}</table>'
+            f"{export}</section>")
 
 
 def _relative(run: Mapping[str, Any], finals: Mapping[str, float]) -> str:
@@ -151,11 +227,12 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
                run_href: RunHref | None = None,
                flow_run_href: PrefectHref | None = None,
                compare_action: str | None = COMPARE_PATH, live: Live | None = None) -> str:
-    """The sweep overview: tags, notes, status banners, robustness curves, Table 1, tokens,
+    """The sweep overview: tags, notes, status banners, the Claims panel, robustness curves,
+    Table 1, tokens,
     bytes, runs; every figure and table with CSV/JSON downloads of its data.
 
     `view` = {"sweep": {id, name, status, tags, notes, ...}, "robustness": ..., "table": ...,
-    "runs": [...]} in the registry's shapes. `run_href` maps a run id to its page (None: no
+    "claims": ..., "runs": [...]} in the registry's shapes. `run_href` maps a run id to its page (None: no
     links); `flow_run_href` a Prefect flow-run id to its page in the Prefect UI (None: the id is
     shown without a link); `compare_action` is the compare page (None: runs cannot be selected,
     as in the offline file); `live` makes the served page refresh itself while the sweep runs.
@@ -171,6 +248,9 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
         f"<h1>Sweep: {esc(name)}</h1>",
         _meta(sweep, finished, len(runs), flow_run_href),
         *_sweep_banners(sweep, robustness, runs),
+        claims_panel(view.get("claims") or {},
+                     export_links(f"{name}-claims", claim_rows(view.get("claims") or {}),
+                                  label="claims")),
         figure_html(figures.robustness_curves(robustness), "fig-robustness",
                     extra=export_links(f"{name}-robustness", items, label="robustness curves")),
         figure_html(figures.robustness_table(view.get("table") or {}), "fig-table",

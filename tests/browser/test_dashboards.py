@@ -147,6 +147,32 @@ def test_sweep_page_served_by_the_api_renders_every_figure(
     _screenshot(browser_page, artifacts_dir / "dashboard-run.png")
 
 
+def test_claims_panel_shows_the_verdicts_rest_serves(
+        served: Served, full_sweep: str, browser_page: Any, artifacts_dir: Path) -> None:
+    page = browser_page.page
+    page.goto(f"{served.url}/dashboards/sweeps/{full_sweep}")
+    page.wait_for_selector("#claims-table")
+    shown = page.evaluate("() => Object.fromEntries(Array.from(document.querySelectorAll("
+                          "'#claims-table td[data-claim]')).map(td => [td.dataset.claim, "
+                          "td.textContent.trim()]))")
+    headers = {"Authorization": f"Bearer {served.token}"}
+    served_claims = httpx.get(f"{served.url}/api/v1/sweeps/{full_sweep}/claims",
+                              headers=headers, timeout=30).json()["claims"]
+    assert shown == {c["tag"]: c["verdict"] for c in served_claims}
+    # the sample sweep has skip and drop at two rates with two seeds: (a) is decided on data
+    [a] = [c for c in served_claims if c["tag"] == "a"]
+    assert a["comparisons"] and all(c["n_seeds"] == 2 for c in a["comparisons"])
+    first = a["comparisons"][0]
+    row = page.locator("#claims-table tr", has_text=first["label"]).first.inner_text()
+    assert f"{first['mean']:+.2f} [{first['ci_low']:+.2f}, {first['ci_high']:+.2f}]" in row
+    assert first["status"] in row
+    # the claims also come as CSV and JSON, with the REST numbers
+    assert page.locator("#claims a", has_text="CSV").count() == 1
+    assert browser_page.errors == [], f"console errors: {browser_page.errors}"
+    page.locator("#claims").screenshot(path=str(artifacts_dir / "dashboard-claims.png"))
+    assert (artifacts_dir / "dashboard-claims.png").stat().st_size > 5_000
+
+
 def test_drop_run_timeline_shows_dropped_tokens_and_no_bypass(
         served: Served, full_sweep: str, browser_page: Any, artifacts_dir: Path) -> None:
     headers = {"Authorization": f"Bearer {served.token}"}

@@ -66,9 +66,41 @@ def test_tiny_sweep_registers_each_cell_once_with_its_data(prefect_harness: None
     assert sorted((r["compression"], r["strategy"], r["p"]) for r in table) == sorted(cells)
     assert link and outcome["sweep_id"] in str(link[0].data)
     assert progress and float(progress[0].data) == 100.0
+    # the claims table: REST's claims, one row per comparison (here one seed: none decided)
+    [claims] = _artifacts(f"{prefix}-claims")
+    claim_table = claims.data if isinstance(claims.data, list) else json.loads(claims.data)
+    served = flow_client.claims(outcome["sweep_id"])["claims"]
+    assert {r["claim"][:3]: r["verdict"] for r in claim_table} == {
+        f"({c['tag']})": c["verdict"] for c in served}
+    skip_drop = [r for r in claim_table if r["claim"].startswith("(a)")]
+    assert {r["comparison"] for r in skip_drop} == {"SSN, p = 0.5", "MAPL, p = 0.5"}
+    assert all(r["status"] == "missing" for r in skip_drop)      # one seed: no interval
 
     # re-running the same sweep trains nothing again and adds no records
     again = failure_sweep(_spec())
     assert again["sweep_id"] == outcome["sweep_id"]
     assert again["skipped"] == again["runs"] == 6 and again["completed"] == 0
     assert len(flow_client.list_runs(sweep_id=outcome["sweep_id"])) == 6
+
+
+def test_seeds_by_precision_add_seeds_only_while_a_cell_is_wider_than_the_target(
+        prefect_harness: None, flow_client: ApiClient) -> None:
+    loose = failure_sweep(_spec(name="loose", arms=["ssn"], strategies=["skip"], seeds=[0, 1],
+                                max_seeds=3, target_half_width=100.0))
+    assert loose["precision_rounds"] == [] and loose["runs"] == 4   # every cell within ±100
+    tight = failure_sweep(_spec(name="tight", arms=["ssn"], strategies=["skip"], seeds=[0, 1],
+                                max_seeds=3, target_half_width=0.001))
+    # one round: the cell is wider than ±0.001 with 2 seeds, gets a third seed and its
+    # baseline, and then has the budget's 3 seeds, so no second round
+    assert tight["precision_rounds"] == [{"round": 1, "cells": 1, "runs": 2}]
+    runs = flow_client.list_runs(sweep_id=tight["sweep_id"])
+    assert tight["runs"] == len(runs) == 6 and all(r["status"] == "completed" for r in runs)
+    assert sorted((r["p"], r["seed"]) for r in runs) == [
+        (p, seed) for p in (0.0, 0.5) for seed in (0, 1, 2)]
+    [cell] = [i for i in flow_client.robustness(tight["sweep_id"])["items"] if i["p"] == 0.5]
+    assert cell["n_seeds"] == 3
+    # the re-run continues the sweep and trains nothing: every wanted seed is there
+    again = failure_sweep(_spec(name="tight", arms=["ssn"], strategies=["skip"], seeds=[0, 1],
+                                max_seeds=3, target_half_width=0.001))
+    assert again["sweep_id"] == tight["sweep_id"] and again["completed"] == 0
+    assert len(flow_client.list_runs(sweep_id=tight["sweep_id"])) == 6

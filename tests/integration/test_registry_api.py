@@ -221,7 +221,7 @@ def _orm_sweep_run_rows(session, sweep_id):
 def test_robustness_and_table_match_the_orm_implementation(registry, registry_app):
     from api import crud
     from api.schemas import RobustnessPublic, TablePublic
-    from crucible import analysis
+    from crucible import stats as analysis
 
     sid = _sweep(registry)["id"]
     other = _sweep(registry, "other")["id"]

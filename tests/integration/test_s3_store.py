@@ -111,6 +111,44 @@ def test_unreachable_endpoint_is_transient_after_retries() -> None:
     assert time.monotonic() - start < 60
 
 
+def test_one_retry_layer_an_outage_costs_exactly_the_stores_attempts() -> None:
+    """A server that answers every request 503 SlowDown: the store's own loop is the only
+    retry layer, so `attempts` = 3 means 3 requests (botocore's retries on top would make 9)."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            hits.append(self.command)
+            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                    b"<Message>busy</Message></Error>")
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_HEAD = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = S3Store("bucket", endpoint_url=f"http://127.0.0.1:{server.server_port}",
+                        region="us-east-1", attempts=3, backoff_s=0.01)
+        with pytest.raises(TransientStoreError, match="SlowDown"):
+            store.get("k")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert hits == ["GET"] * 3
+
+
 def test_missing_bucket_is_a_permanent_store_error(s3_endpoint: str) -> None:
     store = S3Store("no-such-bucket-here", endpoint_url=s3_endpoint, attempts=3, backoff_s=0.01)
     with pytest.raises(StoreError) as info:

@@ -12,8 +12,8 @@ import torch
 
 from crucible import boundary
 from crucible.alignment import alignment_report, linear_cka
-from crucible.config import apply_overrides
 from crucible.boundary import principal_angles_deg
+from crucible.config import apply_overrides
 from crucible.events import MultiCallback
 from crucible.store import LocalStore
 from crucible.train import Trainer
@@ -93,7 +93,11 @@ def test_every_run_records_its_alignment(tmp_path: Path) -> None:
     assert summary["data_digest"].startswith("sha256:") and len(summary["data_digest"]) == 71
 
 
-def test_batched_stiefel_step_equals_one_step_per_boundary_to_the_bit() -> None:
+def test_batched_stiefel_step_equals_one_step_per_boundary_to_fp32_round_off() -> None:
+    """Batching the boundaries changes only the batch count of each matmul. On an Intel Xeon
+    (AVX-512 MKL kernels) that was bit-identical; on an AMD EPYC (AVX2) 2 of these 6 tensors
+    differ in their last bit (1.2e-7), so what holds on every CPU is agreement to a few ulps,
+    and the mask is obeyed exactly."""
     gen = torch.Generator().manual_seed(0)
     R, d, k = 4, 32, 8
     bases = [boundary.retract(torch.linalg.qr(torch.randn(R, d, k, generator=gen))[0], 5)
@@ -107,9 +111,14 @@ def test_batched_stiefel_step_equals_one_step_per_boundary_to_the_bit() -> None:
         boundary.stiefel_step(b, g, m, lr=0.01, beta=0.9, steps=5, mask=mask)
     batched = [b.clone() for b in bases], [m.clone() for m in momenta]
     boundary.stiefel_steps(batched[0], grads, batched[1], masks, lr=0.01, beta=0.9, steps=5)
+    ulp = torch.finfo(torch.float32).eps
     for a, b in zip(one[0] + one[1], batched[0] + batched[1], strict=True):
-        assert torch.equal(a, b)
+        assert (a - b).abs().max().item() <= 4 * ulp * max(1.0, a.abs().max().item())
     assert torch.equal(batched[0][1], bases[1])        # a boundary with no active replica
+    assert torch.equal(batched[1][1], momenta[1])
+    # replica 1 of boundary 0 is masked off: its basis and momentum stay exactly as they were
+    assert torch.equal(batched[0][0][1], bases[0][1]) and torch.equal(batched[1][0][1],
+                                                                       momenta[0][1])
     assert not torch.equal(batched[0][2], bases[2])
 
 

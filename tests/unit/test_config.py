@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 
-from crucible.config import ConfigError, apply_overrides
+from crucible.config import Config, ConfigError, StoreConfig, apply_overrides
 from crucible.presets import PRESETS, get_preset
+from crucible.store import parse_store_url
 
 
 def test_every_preset_defaults_to_eight_replicas_and_four_stages():
@@ -45,8 +48,6 @@ def test_unknown_key_suggests_the_nearest_valid_one(key, nearest):
 
 
 def test_unknown_key_in_a_mapping_suggests_the_nearest_valid_one():
-    from crucible.config import Config
-
     with pytest.raises(ConfigError, match=r"unknown key 'model.d_modle'; did you mean "
                                           r"model.d_model\?"):
         Config.from_dict({"model": {"d_modle": 32}})
@@ -92,13 +93,26 @@ def test_store_location_is_checked_at_construction(override, needle):
     assert needle in str(caught.value)
 
 
-@pytest.mark.parametrize("override", ["store.url=file:///var/crucible/store",
-                                      "store.url=file://localhost/var/x",
-                                      "store.url=s3://bucket", "store.url=s3://my.bucket/a/b/",
-                                      "store.endpoint_url=http://127.0.0.1:9000",
-                                      "store.endpoint_url=https://acct.r2.cloudflarestorage.com"])
-def test_good_store_locations_are_accepted(override):
-    apply_overrides(get_preset("smoke"), [override])
+@pytest.mark.parametrize("override, parsed", [
+    # store.url as given, and the (scheme, location, key prefix) it names: the path normalised,
+    # localhost dropped, the prefix without its slashes
+    ("store.url=file:///var/crucible/store", ("file", "/var/crucible/store", "")),
+    ("store.url=file://localhost/var/x", ("file", "/var/x", "")),
+    ("store.url=s3://bucket", ("s3", "bucket", "")),
+    ("store.url=s3://my.bucket/a/b/", ("s3", "my.bucket", "a/b")),
+    ("store.endpoint_url=http://127.0.0.1:9000", None),
+    ("store.endpoint_url=https://acct.r2.cloudflarestorage.com", None),
+])
+def test_good_store_locations_are_accepted(override, parsed):
+    preset = get_preset("smoke")
+    cfg = apply_overrides(preset, [override])
+    key, value = override.removeprefix("store.").split("=", 1)
+    expected = {"url": None, "endpoint_url": None, "region": None, "keep_rounds": 0, key: value}
+    assert dataclasses.asdict(cfg.store) == expected
+    assert cfg.replace(store=StoreConfig()) == preset          # nothing but the store changed
+    assert Config.from_dict(cfg.to_dict()).store == cfg.store  # and it survives the round trip
+    if parsed is not None:
+        assert parse_store_url(cfg.store.url) == parsed
 
 
 def test_chunk_larger_than_the_codec_addresses_is_refused_up_front():

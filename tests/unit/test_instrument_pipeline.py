@@ -170,21 +170,31 @@ def test_basis_report_of_an_untrained_model_shows_no_movement(tmp_path):
 
 @pytest.mark.slow
 def test_mapl_bases_learn_a_different_subspace_that_keeps_more_energy(tmp_path):
-    # ~30 s: the lead's measured configuration, seed 0 (fewer held-out tokens for speed)
-    cfg = apply_overrides(get_preset("smoke"), {
-        "pipeline.compression": "mapl", "sparseloco.inner_steps": 16, "train.global_steps": 40,
-        "train.eval_every": 40, "train.eval_tokens": 16384, "seed": 0})
-    summary = train(cfg, out_dir=tmp_path)
-    on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["mapl_bases"] == summary["mapl_bases"]
-    rows = {r["boundary"]: r for r in summary["mapl_bases"]}
-    assert sorted(rows) == [0, 1, 2]
-    for b, row in rows.items():
-        assert row["angle_deg"] >= 30.0, (b, row)
-        assert 0.0 < row["energy_kept"] <= 1.0 and 0.0 < row["energy_kept_initial"] <= 1.0
-    for b in (1, 2):
-        gain = rows[b]["energy_kept"] - rows[b]["energy_kept_initial"]
-        assert gain >= 0.06, (b, rows[b])
+    """~30 s a seed: the lead's measured configuration (fewer held-out tokens for speed). One
+    seed is not a finding, and which seed shows what depends on the CPU (training is chaotic:
+    docs/ALGORITHMS.md, "Reproducibility across CPUs"): on an AMD EPYC seed 0's boundary 1 kept
+    0.11 *less* energy than its initial basis, while seeds 0-3 gained +0.18 on average at
+    boundaries 1 and 2. So every run's bases must have moved, and the gain of boundaries 1 and
+    2 is asserted on the mean over seeds 0-2."""
+    gains: dict[int, list[float]] = {1: [], 2: []}
+    for seed in (0, 1, 2):
+        cfg = apply_overrides(get_preset("smoke"), {
+            "pipeline.compression": "mapl", "sparseloco.inner_steps": 16,
+            "train.global_steps": 40, "train.eval_every": 40, "train.eval_tokens": 16384,
+            "seed": seed})
+        out = tmp_path / f"s{seed}"
+        summary = train(cfg, out_dir=out)
+        on_disk = json.loads((out / "summary.json").read_text())
+        assert on_disk["mapl_bases"] == summary["mapl_bases"]
+        rows = {r["boundary"]: r for r in summary["mapl_bases"]}
+        assert sorted(rows) == [0, 1, 2]
+        for b, row in rows.items():
+            assert row["angle_deg"] >= 30.0, (seed, b, row)
+            assert 0.0 < row["energy_kept"] <= 1.0 and 0.0 < row["energy_kept_initial"] <= 1.0
+        for b in gains:
+            gains[b].append(rows[b]["energy_kept"] - rows[b]["energy_kept_initial"])
+    for b, values in gains.items():
+        assert sum(values) / len(values) >= 0.06, (b, values)
 
 
 # ------------------------------------------------------------------------------------------------

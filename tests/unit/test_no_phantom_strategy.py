@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from crucible import analysis
+from crucible import stats as analysis
 from dashboards import figures
 from flows.sweep_flow import robustness_rows
 

@@ -1,4 +1,4 @@
-"""The failure study's tooling (crucible/study.py): spec parsing and its errors, cell expansion,
+"""The failure study's tooling (crucible/study/): spec parsing and its errors, cell expansion,
 shared baselines, skipping completed cells, the statistics, the claims rules, and the generated
 document's --check, all on result files the tests write themselves (no training here except one
 smoke-sized end-to-end run, marked slow)."""
@@ -15,7 +15,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from crucible import study
+from crucible import stats, study
 from crucible.config import apply_overrides
 from crucible.presets import get_preset
 
@@ -324,7 +324,7 @@ def test_cli_run_exits_1_when_a_run_fails(tmp_path: Path, monkeypatch) -> None:
                                 'arms=["mapl"]\nstrategies=["skip"]\np=[0.1]\n')
 
     real = study.run_command
-    monkeypatch.setattr(study, "run_command",
+    monkeypatch.setattr(study.runner, "run_command",   # run_study reads it there
                         lambda spec, cell: [sys.executable, "-c", _FAKE_RUN,
                                             *real(spec, cell)[4:]])
     result = CliRunner().invoke(cli_app(), ["study", "run", str(path)])
@@ -356,14 +356,23 @@ def test_statistics_against_hand_computed_values(spec: study.Spec) -> None:
     assert s.half == pytest.approx(2.484138, abs=1e-5)
     assert (s.lo, s.hi) == (pytest.approx(-0.484138, abs=1e-5), pytest.approx(4.484138, abs=1e-5))
     # paired skip - drop per seed: -3, -4, -2 -> mean -3, sd 1
-    [(arm, p, diff)] = [row for row in study.skip_minus_drop(data) if row[2].n]
+    [(arm, p, diff)] = [row for row in stats.skip_minus_drop(data.claim_cells()) if row[2].n]
     assert (arm, p) == ("ssn", 0.1)
     assert diff.values == pytest.approx((-3.0, -4.0, -2.0))
     assert diff.mean == pytest.approx(-3.0) and diff.hi == pytest.approx(-0.515862, abs=1e-5)
-    # relative degradation is against the same seed's baseline
-    one = study.StudyData(spec, {**study.load_results(spec)})
-    run = one.results["ssn-skip-p0.1-s1"]
-    assert 100 * (run["final_val_loss"] - 2.0) / 2.0 == pytest.approx(2.0)
+    # relative degradation is against the same seed's baseline: give seeds 1 and 2 baselines of
+    # their own (seed 0 keeps 2.0); the cell's losses stay 2.0 * (1 + d / 100) = 2.02, 2.04, 2.06
+    for seed, base_loss in ((1, 2.5), (2, 1.6)):
+        [cell] = [c for c in study.expand_cells(spec)
+                  if c.key == study.GridKey("ssn", "base", 0.0) and c.seed == seed]
+        study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, base_loss)))
+    rebased = study.StudyData(spec, study.load_results(spec))
+    skip = study.GridKey("ssn", "skip", 0.1)
+    # by hand: 100 (2.02 - 2.0) / 2.0 = 1.0, 100 (2.04 - 2.5) / 2.5 = -18.4,
+    # 100 (2.06 - 1.6) / 1.6 = 28.75 (against seed 0's 2.0 every seed would read 1, 2, 3 again)
+    assert rebased.degradation(skip) == pytest.approx({0: 1.0, 1: -18.4, 2: 28.75})
+    assert rebased.stat(skip).mean == pytest.approx((1.0 - 18.4 + 28.75) / 3)
+    assert rebased.degradation(study.GridKey("ssn", "base", 0.0)) == {0: 0.0, 1: 0.0, 2: 0.0}
 
 
 def test_one_seed_has_no_interval_and_missing_cells_are_counted(spec: study.Spec) -> None:
@@ -383,7 +392,7 @@ def test_growth_slope_per_seed(spec: study.Spec) -> None:
     fill(spec, {"none-skip-p0.05": [0.5, 0.6, 0.4], "none-skip-p0.1": [1.0, 1.1, 0.9],
                 "none-skip-p0.2": [2.0, 2.1, 1.9]})
     data = study.StudyData(spec, study.load_results(spec))
-    rows = {(arm, strat): s for arm, strat, _, s in study.growth_slopes(data)}
+    rows = {(arm, strat): s for arm, strat, _, s in stats.growth_slopes(data.claim_cells())}
     s = rows[("none", "skip")]
     ps = [0.05, 0.1, 0.2]   # p = 0 is left out of the fit
     for seed, offset in enumerate([0.0, 0.1, -0.1]):
@@ -400,7 +409,7 @@ def test_growth_claim_does_not_read_a_fall_as_growth(spec: study.Spec) -> None:
               "none-skip-p0.2": [1.5, 1.6, 1.4]}
     fill(spec, values)
     data = study.StudyData(spec, study.load_results(spec))
-    rows = {(arm, strat): s for arm, strat, _, s in study.growth_slopes(data)}
+    rows = {(arm, strat): s for arm, strat, _, s in stats.growth_slopes(data.claim_cells())}
     assert rows[("none", "skip")].mean < 0
 
 
@@ -417,10 +426,9 @@ def test_result_file_for_another_cell_is_refused(spec: study.Spec) -> None:
 # claims
 # ---------------------------------------------------------------------------------------------
 
-def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, study.Claim]:
+def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
     fill(spec, degradations)
-    return {c.tag: c for c in study.evaluate_claims(study.StudyData(spec,
-                                                                    study.load_results(spec)))}
+    return {c.tag: c for c in study.StudyData(spec, study.load_results(spec)).claims()}
 
 
 def _grid(skip: dict[str, list[float]], drop: dict[str, list[float]] | float = 3.5,
@@ -438,10 +446,10 @@ def _grid(skip: dict[str, list[float]], drop: dict[str, list[float]] | float = 3
 def test_claims_agree_on_blog_like_data(spec: study.Spec) -> None:
     claims = _claims(spec, _grid({"ssn": [0.30, 0.32, 0.34], "mapl": [0.45, 0.47, 0.46],
                                   "none": [0.46, 0.45, 0.48]}))
-    assert claims["a"].verdict == study.AGREES
-    assert claims["b"].verdict == study.AGREES
-    assert claims["c"].verdict == study.AGREES
-    assert claims["d"].verdict == study.AGREES
+    assert claims["a"].verdict == stats.AGREES
+    assert claims["b"].verdict == stats.AGREES
+    assert claims["c"].verdict == stats.AGREES
+    assert claims["d"].verdict == stats.AGREES
 
 
 def test_claims_disagree_when_the_data_say_the_opposite(spec: study.Spec) -> None:
@@ -449,10 +457,10 @@ def test_claims_disagree_when_the_data_say_the_opposite(spec: study.Spec) -> Non
     data = _grid({"ssn": [-3.0, -3.1, -3.2], "mapl": [-5.0, -5.1, -5.2],
                   "none": [-8.0, -8.1, -8.2]}, drop=-10.0)
     claims = _claims(spec, data)
-    assert claims["a"].verdict == study.DISAGREES
-    assert claims["b"].verdict == study.DISAGREES
-    assert claims["c"].verdict == study.DISAGREES
-    assert claims["d"].verdict == study.DISAGREES
+    assert claims["a"].verdict == stats.DISAGREES
+    assert claims["b"].verdict == stats.DISAGREES
+    assert claims["c"].verdict == stats.DISAGREES
+    assert claims["d"].verdict == stats.DISAGREES
     assert "not reproduced" in study._claim_sentence(claims["a"])
 
 
@@ -461,23 +469,23 @@ def test_claims_not_resolved_when_intervals_straddle(spec: study.Spec) -> None:
     claims = _claims(spec, _grid(noisy, drop={"ssn": [2.0, -1.5, 0.5], "mapl": [-1.0, 2.0, 0.0],
                                                "none": [0.0, 1.0, -1.5]}))
     for tag in "abcd":
-        assert claims[tag].verdict == study.NOT_RESOLVED, tag
+        assert claims[tag].verdict == stats.NOT_RESOLVED, tag
     assert "not resolved" in study._claim_sentence(claims["a"])
 
 
 def test_claims_not_run_without_two_seeds(spec: study.Spec) -> None:
     claims = _claims(spec, {"ssn-skip-p0.1": [0.5]})
-    assert {c.verdict for c in claims.values()} == {study.NOT_RUN}
+    assert {c.verdict for c in claims.values()} == {stats.NOT_RUN}
 
 
 def test_close_margin_rule(spec: study.Spec) -> None:
     margin = spec.close_margin
-    inside = study.stat_of({0: 0.1, 1: 0.2, 2: 0.15})
-    outside = study.stat_of({0: margin + 1.0, 1: margin + 1.1, 2: margin + 1.05})
-    astride = study.stat_of({0: 0.0, 1: margin, 2: margin + 0.5})
-    assert study._band_status(inside, margin) == "supports"
-    assert study._band_status(outside, margin) == "contradicts"
-    assert study._band_status(astride, margin) == "unresolved"
+    inside = stats.stat_of({0: 0.1, 1: 0.2, 2: 0.15})
+    outside = stats.stat_of({0: margin + 1.0, 1: margin + 1.1, 2: margin + 1.05})
+    astride = stats.stat_of({0: 0.0, 1: margin, 2: margin + 0.5})
+    assert stats.claims._band_status(inside, margin) == "supports"
+    assert stats.claims._band_status(outside, margin) == "contradicts"
+    assert stats.claims._band_status(astride, margin) == "unresolved"
 
 
 # ---------------------------------------------------------------------------------------------

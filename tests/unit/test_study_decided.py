@@ -1,4 +1,4 @@
-"""The decided study's instrument: seeds from an sd (crucible.precision), the equivalence claim
+"""The decided study's instrument: seeds from an sd (crucible.stats), the equivalence claim
 at p = 0.01, per-block seeds, the pilot table, and results that carry no machine paths and
 compare corpora by content. On result files the tests write themselves."""
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from crucible import precision, study
-from crucible.analysis import t_quantile
+from crucible import stats, study
+from crucible.names import ARM_LABEL, ARMS
+from crucible.stats import t_quantile
 from tests.unit.test_study import fake_summary, fill, write_spec
 
 LOW_P_GRID = """
@@ -32,45 +33,45 @@ p = [0, 0.01, 0.1, 0.2]
 def test_seeds_for_half_width_is_the_smallest_n_that_meets_it() -> None:
     # sd 1, target 0.5: n = 18 gives t(0.975, 17) / sqrt(18) = 2.1098 / 4.2426 = 0.497,
     # n = 17 gives 2.1199 / 4.1231 = 0.514 (t-table values)
-    assert precision.seeds_for_half_width(1.0, 0.5) == 18
-    assert precision.half_width(1.0, 18) <= 0.5 < precision.half_width(1.0, 17)
+    assert stats.seeds_for_half_width(1.0, 0.5) == 18
+    assert stats.half_width(1.0, 18) <= 0.5 < stats.half_width(1.0, 17)
     for sd in (0.3, 0.8, 1.1, 2.5):
-        n = precision.seeds_for_half_width(sd, 0.5)
+        n = stats.seeds_for_half_width(sd, 0.5)
         assert n is not None and n >= 2
         assert t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= 0.5
         if n > 2:
             assert t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) > 0.5
-    assert precision.seeds_for_half_width(1.0, 0.5, at_least=30) == 30
-    assert precision.seeds_for_half_width(50.0, 0.5) is None          # over MAX_SEEDS
-    assert precision.seeds_for_half_width(1.0, 0.0) is None
+    assert stats.seeds_for_half_width(1.0, 0.5, at_least=30) == 30
+    assert stats.seeds_for_half_width(50.0, 0.5) is None          # over MAX_SEEDS
+    assert stats.seeds_for_half_width(1.0, 0.0) is None
 
 
 def test_seeds_to_decide_sign_and_band() -> None:
     # a sign rule needs the half-width below |mean|; a band rule below the distance to the edge
-    assert precision.seeds_to_decide(1.0, 1.0) == precision.seeds_for_half_width(1.0, 1.0)
-    assert precision.seeds_to_decide(0.2, 1.0, margin=0.5) == \
-        precision.seeds_for_half_width(1.0, 0.3)
-    assert precision.seeds_to_decide(0.9, 1.0, margin=0.5) == \
-        precision.seeds_for_half_width(1.0, 0.4)
-    assert precision.seeds_to_decide(0.5, 1.0, margin=0.5) is None     # on the edge: never
-    assert precision.seeds_to_decide(0.0, 1.0) is None
+    assert stats.seeds_to_decide(1.0, 1.0) == stats.seeds_for_half_width(1.0, 1.0)
+    assert stats.seeds_to_decide(0.2, 1.0, margin=0.5) == \
+        stats.seeds_for_half_width(1.0, 0.3)
+    assert stats.seeds_to_decide(0.9, 1.0, margin=0.5) == \
+        stats.seeds_for_half_width(1.0, 0.4)
+    assert stats.seeds_to_decide(0.5, 1.0, margin=0.5) is None     # on the edge: never
+    assert stats.seeds_to_decide(0.0, 1.0) is None
 
 
 # ---------------------------------------------------------------------------------------------
 # claim (e): the equivalence test at p = 0.01
 # ---------------------------------------------------------------------------------------------
 
-def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, study.Claim]:
+def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
     fill(spec, degradations)
     data = study.StudyData(spec, study.load_results(spec))
-    return {c.tag: c for c in study.evaluate_claims(data)}
+    return {c.tag: c for c in data.claims()}
 
 
 def test_claim_e_agrees_inside_the_band(tmp_path: Path) -> None:
     spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
-    claims = _claims(spec, {f"{a}-skip-p0.01": [0.05, 0.10, 0.15] for a in study.ARMS})
+    claims = _claims(spec, {f"{a}-skip-p0.01": [0.05, 0.10, 0.15] for a in ARMS})
     e = claims["e"]
-    assert len(e.comparisons) == 3 and e.verdict == study.AGREES
+    assert len(e.comparisons) == 3 and e.verdict == stats.AGREES
     assert e.seeds_to_decide() is None
 
 
@@ -78,14 +79,14 @@ def test_claim_e_disagrees_outside_and_is_open_across_the_edge(tmp_path: Path) -
     spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
     far = _claims(spec, {"none-skip-p0.01": [1.5, 1.6, 1.7],
                          "ssn-skip-p0.01": [0.1, 0.1, 0.2], "mapl-skip-p0.01": [0.0, 0.1, 0.1]})
-    assert far["e"].verdict == study.DISAGREES
+    assert far["e"].verdict == stats.DISAGREES
     spec2 = study.load_spec(write_spec(tmp_path / "b", LOW_P_GRID))
-    astride = _claims(spec2, {f"{a}-skip-p0.01": [0.0, 0.6, 0.3] for a in study.ARMS})
+    astride = _claims(spec2, {f"{a}-skip-p0.01": [0.0, 0.6, 0.3] for a in ARMS})
     e = astride["e"]
-    assert e.verdict == study.NOT_RESOLVED
+    assert e.verdict == stats.NOT_RESOLVED
     # mean 0.3, sd 0.3: deciding "inside +-0.5" needs a half-width below 0.2
     need, beyond = e.seeds_to_decide()
-    assert need == precision.seeds_for_half_width(0.3, 0.2) and beyond == 0
+    assert need == stats.seeds_for_half_width(0.3, 0.2) and beyond == 0
     assert f"| {need} |" in study.render_markdown(study.StudyData(spec2,
                                                                   study.load_results(spec2)))
 
@@ -93,8 +94,8 @@ def test_claim_e_disagrees_outside_and_is_open_across_the_edge(tmp_path: Path) -
 def test_claim_e_is_not_run_when_the_grid_lacks_p_001(spec: study.Spec) -> None:
     fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
     data = study.StudyData(spec, study.load_results(spec))
-    e = {c.tag: c for c in study.evaluate_claims(data)}["e"]
-    assert e.comparisons == () and e.verdict == study.NOT_RUN
+    e = {c.tag: c for c in data.claims()}["e"]
+    assert e.comparisons == () and e.verdict == stats.NOT_RUN
     assert "p = 0.01 is not in this grid" in study.render_markdown(data)
 
 
@@ -174,7 +175,7 @@ def test_pilot_rows_measure_sd_seeds_and_grid_cost(tmp_path: Path) -> None:
     none = rows["none"]
     assert none.seeds == 4 and none.skip_mean == pytest.approx(2.5)
     assert none.paired_sd == pytest.approx(math.sqrt(5 / 3))
-    assert none.seeds_needed == precision.seeds_for_half_width(math.sqrt(5 / 3), 0.5)
+    assert none.seeds_needed == stats.seeds_for_half_width(math.sqrt(5 / 3), 0.5)
     assert none.dims == 64 and rows["ssn"].dims == 8
     assert rows["ssn"].seeds_needed == MIN_GRID_SEEDS
     # the main grid has 6 failure cells per arm (skip, drop x 3 p > 0) plus one baseline
@@ -326,7 +327,7 @@ def test_alignment_that_tracks_degradation_within_arms_predicts(tmp_path: Path) 
                     + (5.0 if arm == "ssn" else 0.0))
     points = alignment_points(data)
     assert len(points) == 16 and {pt.arm for pt in points} == {"none", "ssn"}
-    text = "\n".join(alignment_section(data, study.ARM_LABEL, "img/a.png"))
+    text = "\n".join(alignment_section(data, ARM_LABEL, "img/a.png"))
     assert "| instant bypass damage (%) | + |" in text
     row = next(line for line in text.splitlines() if line.startswith("| instant bypass"))
     assert row.endswith("| predicts |")
@@ -343,7 +344,7 @@ def test_alignment_that_only_differs_between_arms_is_not_a_within_arm_prediction
     noise = [0.5, -0.3, 0.1, 0.4, -0.5, 0.2, -0.1, -0.3]
     data = _aligned(tmp_path, lambda arm, seed, d: (10.0 if arm == "ssn" else 1.0)
                     + noise[(seed * 3) % 8])
-    text = "\n".join(alignment_section(data, study.ARM_LABEL, None))
+    text = "\n".join(alignment_section(data, ARM_LABEL, None))
     row = next(line for line in text.splitlines() if line.startswith("| instant bypass"))
     pooled = row.split("|")[3]
     assert float(pooled.split("[")[0]) > 0.5              # pooled: the arms alone correlate
@@ -383,21 +384,21 @@ def test_token_check_compares_half_the_tokens_with_the_seed_spread(tmp_path: Pat
     (row,) = token_rows(main)
     assert row["arm"] == "none" and row["seeds"] == [0, 1]
     assert row["change_pct"] == pytest.approx([15.0, 100 * (2.3 - 2.01) / 2.01])
-    text = "\n".join(token_section(main, study.ARM_LABEL))
+    text = "\n".join(token_section(main, ARM_LABEL))
     assert "token-limited: every seed's loss rose by more than three seed sds" in text
 
 
 def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
     from crucible.scale import scale_section, welch
 
-    a = study.stat_of({0: 1.0, 1: 2.0, 2: 3.0})
-    b = study.stat_of({0: 5.0, 1: 7.0, 2: 9.0, 3: 11.0})
+    a = stats.stat_of({0: 1.0, 1: 2.0, 2: 3.0})
+    b = stats.stat_of({0: 5.0, 1: 7.0, 2: 9.0, 3: 11.0})
     diff, lo, hi = welch(b, a)
     va, vb = 1.0 / 3, (20 / 3) / 4
     dof = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
     half = t_quantile(0.975, math.floor(dof)) * math.sqrt(va + vb)
     assert diff == pytest.approx(6.0) and (lo, hi) == pytest.approx((6 - half, 6 + half))
-    assert welch(study.stat_of({0: 1.0}), a) is None
+    assert welch(stats.stat_of({0: 1.0}), a) is None
 
     big = study.load_spec(write_spec(tmp_path, PILOT.replace('name = "pilot-x"',
                                                              'name = "big"'), name="big.toml"))
@@ -406,7 +407,7 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
         'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\nscale = ["big.toml"]'), name="main.toml"))
     fill(main, {"none-skip-p0.2": [2.0, 2.1, 2.2], "ssn-skip-p0.2": [0.5, 0.6, 0.4]})
     text = "\n".join(scale_section(study.StudyData(main, study.load_results(main)),
-                                   study.ARM_LABEL))
+                                   ARM_LABEL))
     rows = {line.split("|")[1].strip(): line for line in text.splitlines()
             if line.startswith("| ") and "p = 0.2" in line}
     assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
@@ -512,3 +513,17 @@ def test_token_digest_of_the_splits_is_the_digest_of_the_stream(tmp_path: Path) 
     tokens = load_tokens(None, vocab_size=256)
     data = TokenData(tokens, model=config.model, data=config.data, replicas=1, seed=0)
     assert token_digest(data.train.numpy(), data.val.numpy()) == token_digest(tokens)
+
+
+def test_a_study_refuses_runs_from_a_second_cpu_model(tmp_path: Path) -> None:
+    spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
+    intel = {"study": {"machine": "x86_64, 2 CPUs, Intel(R) Xeon(R) Processor"}}
+    older = {"study": {"machine": "x86_64, 16 CPUs of the lent machine (CPU only)"}}
+    study.check_same_cpu(spec, {"a": intel, "b": older}, here="Intel(R) Xeon(R) Processor")
+    study.check_same_cpu(spec, {"b": older}, here="AMD EPYC")     # no model named: no claim
+    with pytest.raises(study.StudyError) as info:
+        study.check_same_cpu(spec, {"a": intel, "b": older}, here="AMD EPYC")
+    message = str(info.value)
+    assert "Intel(R) Xeon(R) Processor" in message and "AMD EPYC" in message
+    assert "--allow-mixed-cpus" in message
+    assert study.cpu_model("x86_64, 2 CPUs, AMD EPYC 7B13, 64-Core") == "AMD EPYC 7B13, 64-Core"

@@ -1,4 +1,5 @@
-"""crucible.analysis: the robustness math shared by the API and the command line."""
+"""crucible.stats: the intervals, the one pairing rule and the robustness built on it, shared by
+the API, the dashboards, the flows and the study document."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from crucible.analysis import (
+from crucible.stats import (
     relative_degradation,
     robustness,
     robustness_table,
@@ -113,7 +114,64 @@ def test_table_has_p_rows_and_arm_columns_with_gaps_as_none():
     assert table["rows"][2]["cells"]["ssn/drop"]["mean_pct"] == pytest.approx(50.0)
 
 
-def test_analysis_imports_no_heavy_modules():
-    code = "import sys, crucible.analysis; print('torch' in sys.modules, 'numpy' in sys.modules)"
+def test_stats_imports_no_heavy_modules():
+    code = "import sys, crucible.stats; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+# --- seeds by precision ----------------------------------------------------------------------
+
+def _item(strategy, p, n, half, mean=1.0):
+    return {"compression": "ssn", "strategy": strategy, "duration": 6, "p": p, "n_seeds": n,
+            "mean_pct": mean, "ci_low_pct": None if half is None else mean - half,
+            "ci_high_pct": None if half is None else mean + half}
+
+
+def test_seeds_wanted_picks_only_cells_wider_than_the_target_widest_first():
+    from crucible.stats import seeds_for_half_width, seeds_wanted
+
+    items = [_item("skip", 0.0, 4, 0.0), _item("skip", 0.1, 4, 0.3),     # narrow: left alone
+             _item("drop", 0.1, 4, 2.0), _item("skip", 0.2, 1, None),    # no interval: widest
+             _item("drop", 0.2, 3, 0.9)]
+    wanted = seeds_wanted(items, target=0.5, max_seeds=40)
+    assert [key for key, _ in wanted] == [("ssn", "skip", 0.2, 6), ("ssn", "drop", 0.1, 6),
+                                          ("ssn", "drop", 0.2, 6)]
+    counts = dict(wanted)
+    assert counts[("ssn", "skip", 0.2, 6)] == 2           # one seed: a second gives an sd
+    # half 2.0 at n = 4: sd = 2.0 * 2 / t(0.975, 3); the seeds that sd needs for ±0.5
+    sd = 2.0 * 2 / t_quantile(0.975, 3)
+    assert counts[("ssn", "drop", 0.1, 6)] == seeds_for_half_width(sd, 0.5)
+    assert seeds_wanted(items, target=0.5, max_seeds=4) == [
+        (("ssn", "skip", 0.2, 6), 2), (("ssn", "drop", 0.2, 6), 4)]   # the budget caps them
+
+
+def test_seeds_wanted_reads_widths_never_means():
+    from crucible.stats import seeds_wanted
+
+    small = [_item("skip", 0.1, 4, 2.0, mean=0.01)]
+    large = [_item("skip", 0.1, 4, 2.0, mean=25.0)]
+    assert seeds_wanted(small, target=0.5, max_seeds=99) == seeds_wanted(
+        large, target=0.5, max_seeds=99)
+
+
+def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
+    from flows.spec import SweepSpec
+    from flows.sweep_flow import extra_cells
+
+    spec = SweepSpec(preset="smoke", arms=["ssn"], strategies=["skip", "drop"],
+                     failure_probabilities=[0.1], seeds=[0, 1], max_seeds=6)
+    runs = [{"compression": "ssn", "strategy": s, "p": p, "seed": seed}
+            for seed in (0, 1) for s, p in (("skip", 0.0), ("skip", 0.1), ("drop", 0.1))]
+    runs.append({"compression": "ssn", "strategy": "drop", "p": 0.1, "seed": 5})
+    cells = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 4)], runs)
+    labels = [c.label for c in cells]
+    # seeds 0, 1 and 5 are there: one more, the lowest free one, and its baseline; the skip
+    # cell is not asked for and gets none
+    assert labels == ["ssn/baseline/p=0/seed=2", "ssn/drop/p=0.1/seed=2"]
+    more = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 6), (("ssn", "skip", 0.1, 6), 3)], runs)
+    assert [c.label for c in more] == [
+        "ssn/baseline/p=0/seed=2", "ssn/baseline/p=0/seed=3", "ssn/baseline/p=0/seed=4",
+        "ssn/drop/p=0.1/seed=2",
+        "ssn/drop/p=0.1/seed=3", "ssn/drop/p=0.1/seed=4", "ssn/skip/p=0.1/seed=2"]
+    assert extra_cells(spec, [], runs) == []

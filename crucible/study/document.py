@@ -1,0 +1,510 @@
+"""The results document: `render_markdown` writes the whole Markdown document from a
+`StudyData` (deterministic: only the data and the spec), `render` writes it with Table 1 as CSV
+and LaTeX (crucible.paper) and the figures, or with `check` compares them with the files.
+
+Slightly over 500 lines, for a reason: `render_markdown` is one template of the document,
+section by section in the order it prints them; its number formatting lives in
+crucible.study.formatting.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from crucible.names import ARM_LABEL, ARMS
+from crucible.stats import (
+    BLOG_DROP,
+    BLOG_SKIP,
+    CLAIM_PS,
+    LOW_P,
+    TABLE1_ARMS,
+    Claim,
+    paired_stat,
+    skip_minus_drop,
+)
+from crucible.study.data import NOISE_FLOOR_Z, StudyData, noise_floor_of
+from crucible.study.figures import build_figures, figure_files, write_figures
+from crucible.study.formatting import (
+    _cell_name,
+    _ci,
+    _claim_sentence,
+    _claim_summary,
+    _decide_text,
+    _duration,
+    _num,
+    _pct,
+    _pts,
+    _range,
+    _seeds_for_target,
+    _seeds_needed,
+    _table,
+    _variant,
+    _verdict_word,
+)
+from crucible.study.runner import load_results
+from crucible.study.spec import GridKey, Spec
+
+
+def _share(run: Mapping[str, Any]) -> float | None:
+    budget = run.get("tokens_budget")
+    return run["tokens_processed"] / budget if budget else None
+
+
+def _setting(data: StudyData) -> dict[str, Any]:
+    """What the runs were: from the data where it has it (configs, versions, wall time)."""
+    from crucible.config import Config, ConfigError
+    from crucible.presets import get_preset, parameter_count, tokens_per_global_step
+
+    runs = [data.results[c.id] for c in data.cells if c.id in data.results]
+    config = None
+    source = "preset"
+    base_runs = [r for arm in ARMS for r in data.baseline(arm).values()]
+    for run in base_runs + runs:
+        try:
+            config = Config.from_dict(run["config"])
+            source = "results"
+            break
+        except (ConfigError, KeyError, TypeError):
+            continue
+    if config is None:
+        from crucible.config import apply_overrides
+        config = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets))
+    shapes = {_shape(r) for r in runs}
+    digests = {r["data_digest"] for r in runs if r.get("data_digest")}
+    shas: dict[str, int] = {}
+    machines: dict[str, int] = {}
+    for run in runs:
+        sha = (run.get("versions") or {}).get("git_sha") or "unknown"
+        shas[sha] = shas.get(sha, 0) + 1
+        machine = (run.get("study") or {}).get("machine")
+        if machine:
+            machines[machine] = machines.get(machine, 0) + 1
+    params = parameter_count(config)
+    tokens = tokens_per_global_step(config) * config.train.global_steps
+    return {"config": config, "source": source, "params": params, "tokens": tokens,
+            "chinchilla": tokens / (20.0 * params), "shapes": len(shapes), "shas": shas,
+            "machines": machines, "runs": len(runs), "digests": sorted(digests),
+            "undigested": sum(1 for r in runs if not r.get("data_digest")),
+            "wall_s": math.fsum(float(r["wall_s"]) for r in runs)}
+
+
+def _shape(run: Mapping[str, Any]) -> str:
+    """A run's configuration beyond what the grid varies (seed, arm, p, strategy, decode) and
+    beyond where its corpus lay: corpora are compared by content (`data_digest`), never by
+    path."""
+    varying = ("seed", "pipeline", "faults")
+    config = {k: v for k, v in run["config"].items() if k not in varying}
+    if isinstance(config.get("data"), dict):
+        data = {k: v for k, v in config["data"].items() if k != "path"}
+        path = config["data"].get("path")
+        if not run.get("data_digest") and isinstance(path, str):
+            data["file"] = Path(path).name    # no digest: the file's name is all there is
+        config["data"] = data
+    return json.dumps(config, sort_keys=True)
+
+
+def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any],
+            resolvable: float | None) -> list[str]:
+    """The opening three sentences, templated from the data."""
+    spec = data.spec
+    by_tag = {c.tag: c for c in claims}
+    scale = (f"{setting['params'] / 1e6:.2f}M-parameter runs of {setting['tokens'] / 1e6:.2f}M "
+             "tokens on a CPU")
+
+    def means(strategy: str) -> list[float]:
+        return [s.mean for k in data.grid() if k.strategy == strategy and k.p in CLAIM_PS
+                and not k.label for s in [data.stat(k)] if s.mean is not None]
+
+    skip, drop = means("skip"), means("drop")
+    if not skip and not drop:
+        return [f"No failure cell has a result yet, so this document answers nothing so far. "
+                f"Run `crucible study run {spec.shown(spec.path)}` (it skips the cells already "
+                f"in `{spec.shown(spec.results_dir)}/`) and render this file again with "
+                f"`{spec.command}`. The study's runs are {scale}, not the blog's 178M "
+                "Chinchilla-budget runs."]
+    a = by_tag["a"]
+    first = (f"At p = 0.1 and 0.2, skipping a failed stage raised the final validation loss by "
+             f"{_range(skip)} over the arms (cell means) and dropping the replica's tokens by "
+             f"{_range(drop)}, against the blog's +0.6-0.9% and {BLOG_DROP}; the blog's \"skip "
+             f"costs less than drop at every p\" is {_verdict_word(a)} here "
+             f"({a.count('supports')} of {len(a.comparisons)} paired comparisons have their 95% "
+             "interval below 0).")
+    second = ("Of the blog's other claims, \"degradation grows with p\" is "
+              f"{_verdict_word(by_tag['b'])}, \"SSN degrades least\" is "
+              f"{_verdict_word(by_tag['c'])}, and \"MAPL is close to uncompressed\" (within "
+              f"±{spec.close_margin:g} points) is {_verdict_word(by_tag['d'])}.")
+    e = by_tag["e"]
+    second += (f" The seed texts' \"at p = {LOW_P:g} the loss stays close to baseline\" (within "
+               f"±{spec.equivalence_margin:g} points) is "
+               + (f"{_verdict_word(e)}." if e.comparisons else
+                  f"not tested: p = {LOW_P:g} is not in this grid."))
+    ns = sorted({data.stat(k).n for k in data.grid()} - {0})
+    seeds = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+    run = sum(1 for k in data.grid() if data.stat(k).n)
+    cells = ("" if run == len(data.grid()) else
+             f" ({run} of {len(data.grid())} failure cells run so far)")
+    res = ("" if resolvable is None else
+           f"; differences smaller than about {resolvable:.2f} points are within this study's noise")
+    third = (f"These are {scale} with {seeds} seed{'s' if ns[-1] != 1 else ''} per cell{cells}, "
+             f"not the blog's 178M Chinchilla-budget runs{res}.")
+    return [first + " " + second + " " + third]
+
+
+def _missing_count(data: StudyData) -> tuple[int, int]:
+    expected = len(data.cells)
+    return expected - sum(1 for c in data.cells if c.id in data.results), expected
+
+
+def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None = None) -> str:
+    """The whole results document as Markdown (deterministic: only the data and the spec)."""
+    spec = data.spec
+    claims = data.claims()
+    setting = _setting(data)
+    cfg = setting["config"]
+    sd_floor, floor = noise_floor_of(data)
+    halves = [s.half for s in (data.stat(k) for k in data.grid()) if s.half is not None]
+    diffs = skip_minus_drop(data.claim_cells())
+    diff_halves = [s.half for _, _, s in diffs if s.half is not None]
+    resolvable = statistics.median(halves) if halves else None
+    missing, expected = _missing_count(data)
+    figures = figure_names or figure_files(spec)
+    img = {name: Path(os.path.relpath(path, spec.document.parent)).as_posix()
+           for name, path in figures.items()}
+    out: list[str] = []
+    title = spec.title or "Failure study: the blog's Table 1 and Figure 3, with intervals"
+    out += [f"# {title}", "",
+            f"<!-- Generated by `{spec.command}` from {spec.shown(spec.results_dir)}/*.json. "
+            f"Do not edit by hand: `{spec.command} --check` and tests/unit/test_study.py fail "
+            "when this file differs from what the data render. -->", ""]
+    out += _answer(data, claims, setting, resolvable)
+    out += ["", f"Generated by `{spec.command}` from the committed run summaries in "
+            f"`{spec.shown(spec.results_dir)}/` (spec `{spec.shown(spec.path)}`); "
+            f"the runs were made by `crucible study run {spec.shown(spec.path)}`.", ""]
+
+    # Setting
+    seeds_per_cell: dict[int, int] = {}
+    for key in data.grid():
+        n = data.stat(key).n
+        seeds_per_cell[n] = seeds_per_cell.get(n, 0) + 1
+    m, t = cfg.model, cfg.train
+    out += ["## Setting", "",
+            f"- Model: {setting['params'] / 1e6:.2f}M parameters per replica (d_model {m.d_model}, "
+            f"{m.layers} layers, {m.heads} heads, context {m.seq_len}, vocabulary {m.vocab_size}), "
+            f"preset `{spec.preset}`" + ("" if not spec.sets else
+                                         f" with {', '.join(f'`{s}`' for s in spec.sets)}") + ".",
+            f"- Training: R = {cfg.replicas} data-parallel replicas x S = {cfg.pipeline.stages} "
+            f"pipeline stages, SparseLoCo with H = {cfg.sparseloco.inner_steps} inner steps per "
+            f"global step, {t.global_steps} global steps, {t.batch_size} sequences per replica "
+            f"per inner step, peak learning rate {t.lr:g}; boundary compression factor "
+            f"{cfg.pipeline.factor} for SSN and MAPL.",
+            f"- Tokens: {setting['tokens']:,} per run when no replica is down, "
+            f"{setting['chinchilla']:.2f}x the Chinchilla budget of 20 tokens per parameter "
+            f"({'token-limited' if setting['chinchilla'] < 1 else 'at or past the Chinchilla budget'}"
+            ").",
+            f"- Failures: each inner stage of each replica fails with probability p per global "
+            f"step and stays down {cfg.faults.duration} global steps; every arm and strategy at "
+            "the same p and seed sees the same failure schedule, so comparisons are paired by "
+            "seed.",
+            "- Degradation: 100 (L - L0) / L0 of the final validation loss (the whole held-out "
+            "split), L0 being the same arm's p = 0 run with the same seed; means over seeds with "
+            "a 95% Student-t interval (one seed: no interval).",
+            f"- Seeds: {', '.join(str(s) for s in spec.all_seeds)} in the spec; per cell: "
+            + (", ".join(f"{c} cell{'s' if c != 1 else ''} with {n}"
+                         for n, c in sorted(seeds_per_cell.items(), reverse=True)) or "none") + ".",
+            f"- Grid: {expected} runs ({len(data.keys)} cells x seeds, baselines included); "
+            f"{expected - missing} present, {missing} not run yet.",
+            "- Commits (versions.git_sha of the summaries): "
+            + (", ".join(f"`{sha[:12]}` ({n} run{'s' if n != 1 else ''})"
+                         for sha, n in sorted(setting["shas"].items())) or "none yet") + ".",
+            f"- Wall time: {_duration(setting['wall_s'])} of training over {setting['runs']} runs "
+            "(sum of wall_s)" + ("; machine: " + "; ".join(
+                f"{name} ({n} runs)" for name, n in sorted(setting["machines"].items()))
+                if setting["machines"] else "") + "."]
+    if setting["source"] == "preset" and setting["runs"]:
+        out.append(f"- Note: the model and training numbers above come from preset "
+                   f"`{spec.preset}` as the code defines it now; the summaries' configs no "
+                   "longer parse.")
+    if setting["shapes"] > 1:
+        out.append(f"- Warning: the results come from {setting['shapes']} different "
+                   "configurations (beyond seed, arm, p and strategy); they are not one study. "
+                   "Delete the stale files and run them again.")
+    if len(setting["digests"]) > 1:
+        out.append(f"- Warning: the results were trained on {len(setting['digests'])} different "
+                   "corpora (by content, `data_digest`); they are not one study.")
+    elif setting["digests"]:
+        out.append(f"- Corpus: `{setting['digests'][0][:19]}...` (the token stream's "
+                   f"`data_digest`) in every run that records one"
+                   + (f"; {setting['undigested']} runs made before digests were recorded do "
+                      "not" if setting["undigested"] else "") + ".")
+    if spec.notes:
+        out += ["", spec.notes]
+    out.append("")
+    if spec.pilots:
+        from crucible.pilot import pilot_rows, pilot_section
+
+        out += pilot_section(spec, pilot_rows(spec), ARM_LABEL)
+    if spec.token_check:
+        from crucible.pilot import token_section
+
+        out += token_section(spec, ARM_LABEL)
+
+    # Table 1
+    out += ["## Table 1: skip, increase of the final validation loss over p = 0", "",
+            "Mean over seeds with the 95% interval in brackets; the blog's value beside it.", ""]
+    header = ["p"]
+    for arm in TABLE1_ARMS:
+        header += [f"{ARM_LABEL[arm]} (Crucible)", f"{ARM_LABEL[arm]} (blog)"]
+    rows = []
+    for p in CLAIM_PS:
+        row = [f"{p:g}"]
+        for arm in TABLE1_ARMS:
+            key = data.find(arm, "skip", p)
+            row += [_pct(data.stat(key)) if key else "not in the spec",
+                    f"+{BLOG_SKIP[(arm, p)]:.1f}%"]
+        rows.append(row)
+    out += _table(header, rows)
+    out += ["", f"For a paper: [CSV](tables/{spec.name}-table1.csv) (every number, full "
+            f"precision) and [LaTeX](tables/{spec.name}-table1.tex) (booktabs), rendered from "
+            "the same data.", ""]
+    out += ["## Figure 3: degradation against p", "",
+            f"![Figure 3: degradation against p, skip solid, drop dashed, 95% bands]"
+            f"({img['figure3']})", "",
+            "Skip solid, drop dashed, shaded: 95% interval over seeds (none where a point has one "
+            "seed); crosses: the blog's skip values.", ""]
+
+    # All cells
+    out += ["## All cells", "",
+            "Degradation in % of the same-seed baseline's final loss; half-width in points; the "
+            f"seeds its measured sd says a ±{spec.resolve_threshold:g}-point 95% interval needs; "
+            "tokens processed as a share of the budget and replica-steps with a stage down, means "
+            "over seeds.", ""]
+    rows = []
+    for key in data.grid():
+        s = data.stat(key)
+        share = data.mean_of(key, _share)
+        down = data.mean_of(key, lambda r: r.get("replica_down_fraction"))
+        present = len(data.runs(key))
+        n_text = str(s.n) if present == s.n else f"{s.n} ({present - s.n} without baseline)"
+        rows.append([ARM_LABEL[key.arm], key.strategy, _variant(key), f"{key.p:g}", n_text,
+                     "not run yet" if s.mean is None else f"{s.mean:+.2f}%",
+                     _ci(s) if s.n != 1 else "n=1, no interval", _num(s.half),
+                     _seeds_for_target(s, spec.resolve_threshold),
+                     "-" if share is None else f"{100 * share:.1f}%",
+                     "-" if down is None else f"{100 * down:.1f}%"])
+    out += _table(["arm", "strategy", "variant", "p", "n", "mean", "95% CI", "half-width",
+                   f"seeds for ±{spec.resolve_threshold:g}", "tokens processed",
+                   "replica-steps down"], rows)
+    out.append("")
+
+    # Baselines
+    out += ["## Baselines (p = 0)", "", "Absolute final validation loss of each arm's p = 0 runs.",
+            ""]
+    rows = []
+    for arm in ARMS:
+        runs = data.baseline(arm)
+        if GridKey(arm, "base", 0.0) not in data.keys:
+            continue
+        losses = [r["final_val_loss"] for r in runs.values()]
+        initial = [r["initial_val_loss"] for r in runs.values()
+                   if r.get("initial_val_loss") is not None]
+        wall = [float(r["wall_s"]) for r in runs.values()]
+        rows.append([ARM_LABEL[arm], str(len(losses)),
+                     _num(statistics.fmean(losses) if losses else None, ".4f"),
+                     _num(statistics.stdev(losses) if len(losses) > 1 else None, ".4f"),
+                     _num(statistics.fmean(initial) if initial else None, ".4f"),
+                     _num(statistics.fmean(wall) if wall else None, ".0f")])
+    out += _table(["arm", "n", "final val loss (mean)", "sd", "initial val loss", "wall s (mean)"],
+                  rows)
+    out.append("")
+
+    # Extras
+    out += _extras(data, img)
+    from crucible.alignment_study import alignment_section
+
+    out += alignment_section(data, ARM_LABEL, img.get("alignment"))
+    if spec.scale:
+        from crucible.scale import scale_section
+
+        out += scale_section(data, ARM_LABEL)
+
+    # Claims
+    out += ["## The blog's claims", "",
+            "Each claim is decided by the rule under the table, on 95% intervals of differences "
+            "paired by seed (same arm baseline, same failure schedule). \"Least favourable\" is "
+            "the comparison closest to contradicting the claim.", ""]
+    rows = []
+    for claim in claims:
+        rows.append([f"({claim.tag}) {claim.title}", claim.blog, _claim_summary(claim),
+                     f"**{claim.verdict}**", _seeds_needed(claim)])
+    out += _table(["claim", "blog", "Crucible (95% CI)", "agrees?",
+                   "seeds that would decide it"], rows)
+    out += ["", "\"Seeds that would decide it\": for a claim not resolved, the seeds after which "
+            "every open comparison's 95% interval would clear its boundary if its mean and sd "
+            "stayed as measured (crucible.stats; the sd of n seeds is itself uncertain, "
+            "about ±30% at 6 seeds, so read it as a size, not a count)."]
+    out += ["", "Rules:", ""]
+    out += [f"- ({c.tag}) {c.rule}." for c in claims]
+    out.append("")
+    for claim in claims:
+        out += [f"### ({claim.tag}) {claim.title}", "", f"Quantity: {claim.quantity}.", ""]
+        out += _table(["comparison", "n", "mean [95% CI]", "reads as", "seeds to decide"],
+                      [[c.label, str(c.stat.n), _pts(c.stat), c.status, _decide_text(c)]
+                       for c in claim.comparisons]
+                      or [["-", "0", "not in the grid or not run yet", "missing", "-"]])
+        out.append("")
+
+    # What agrees, what does not
+    out += ["## What agrees with the blog, and what does not", ""]
+    for claim in claims:
+        out.append(f"- {_claim_sentence(claim)}")
+    out.append("")
+
+    # Cannot resolve
+    out += ["## What the measurement cannot resolve", ""]
+    wide = [(key, s) for key in data.grid() for s in [data.stat(key)]
+            if s.half is not None and round(s.half, 2) > spec.resolve_threshold]
+    one = [key for key in data.grid() if data.stat(key).n == 1]
+    if resolvable is None:
+        out.append("- No cell has two seeds yet, so no interval and no noise floor exist.")
+    else:
+        out.append(f"- Smallest resolvable degradation: the median 95% half-width over the cells "
+                   f"is {resolvable:.2f} points, so a cell whose mean is closer to 0 than that "
+                   "cannot be told from no degradation.")
+        if diff_halves:
+            out.append(f"- Smallest resolvable skip - drop difference: the median half-width of "
+                       f"the paired differences is {statistics.median(diff_halves):.2f} points.")
+        out.append(f"- Noise floor of one seed: the median per-cell sd of the degradation is "
+                   f"{sd_floor:.2f} points, so one seed's value lies within about "
+                   f"±{floor:.2f} points ({NOISE_FLOOR_Z:g} sd) of its cell's mean; the demo "
+                   "(`make demo`) quotes this figure for its one-seed cells.")
+        n_seeds = max(s.n for s in (data.stat(k) for k in data.grid()))
+        out.append(f"- Halving these widths takes about four times the seeds ({4 * n_seeds} "
+                   f"instead of {n_seeds}).")
+    if wide:
+        out.append(f"- Cells whose half-width exceeds {spec.resolve_threshold:g} points "
+                   f"({len(wide)}): " + "; ".join(
+                       f"{_cell_name(k)} ±{s.half:.2f}" for k, s in wide) + ".")
+    elif resolvable is not None:
+        out.append(f"- No cell's half-width exceeds {spec.resolve_threshold:g} points.")
+    if one:
+        out.append(f"- Cells with one seed, no interval ({len(one)}): "
+                   + ", ".join(_cell_name(k) for k in one) + ".")
+    if missing:
+        out.append(f"- Not run yet: {missing} of {expected} runs; "
+                   f"`crucible study run {spec.shown(spec.path)}` runs only those.")
+    out.append("- This is a CPU-sized model on a small corpus; the blog's absolute numbers (178M "
+               "parameters, Chinchilla tokens) are not expected to match, only the direction and "
+               "the ordering of the effects.")
+    out.append("")
+    return "\n".join(out)
+
+
+def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
+    """Strategies beyond skip/drop and the labelled variants (MAPL decode options)."""
+    extra_keys = [k for k in data.grid() if k.label or k.strategy not in ("skip", "drop")]
+    if not extra_keys:
+        return []
+    out = ["## Beyond the blog: other strategies and variants", "",
+           "Each row: the same arm's cells at one p, degradation in % with the 95% interval; "
+           "variants are the labelled grid blocks (their overrides below).", ""]
+    groups = sorted({(k.arm, k.p) for k in extra_keys}, key=lambda g: (ARMS.index(g[0]), g[1]))
+    for arm, p in groups:
+        keys = [k for k in data.grid() if k.arm == arm and k.p == p]
+        out += [f"**{ARM_LABEL[arm]}, p = {p:g}**", ""]
+        rows = []
+        ref = data.find(arm, "skip", p)
+        for key in keys:
+            s = data.stat(key)
+            vs = "-"
+            if ref is not None and key != ref:
+                vs = _pts(paired_stat(data.degradation(key), data.degradation(ref)))
+            rows.append([key.strategy, _variant(key), _pct(s), vs])
+        out += _table(["strategy", "variant", "degradation", "minus skip (paired, points)"], rows)
+        out.append("")
+    labelled = {}
+    for block in data.spec.blocks:
+        if block.label:
+            labelled[block.label] = block.sets
+    if labelled:
+        from crucible.config import apply_overrides
+        from crucible.presets import get_preset
+
+        base = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets)).to_dict()
+        varied = sorted({item.split("=", 1)[0].strip() for sets in labelled.values()
+                         for item in sets})
+        defaults = []
+        for key in varied:
+            node: Any = base
+            for part in key.split("."):
+                node = node[part]
+            defaults.append(f"`{key}={node}`")
+        out += ["Variants: " + "; ".join(f"`{label}` = {', '.join(f'`{s}`' for s in sets)}"
+                                         for label, sets in sorted(labelled.items()))
+                + f" (unlabelled cells use the preset's defaults: {', '.join(defaults)}).", ""]
+    out += [f"![Other strategies and variants]({img['extras']})", ""]
+    return out
+
+
+def table_files(spec: Spec) -> dict[str, Path]:
+    """Table 1 for a paper (crucible.paper), beside the document."""
+    folder = spec.document.parent / "tables"
+    return {"csv": folder / f"{spec.name}-table1.csv", "tex": folder / f"{spec.name}-table1.tex"}
+
+
+def _rendered(spec: Spec, data: StudyData) -> dict[Path, str]:
+    """Every text file the data render: the document and Table 1 as CSV and LaTeX."""
+    from crucible.paper import table1_csv, table1_latex
+
+    tables = table_files(spec)
+    return {spec.document: render_markdown(data), tables["csv"]: table1_csv(data),
+            tables["tex"]: table1_latex(data)}
+
+
+def render(spec: Spec, *, check: bool = False, figures: bool = True,
+           echo: Callable[[str], None] = print) -> int:
+    """Render (or, with `check`, compare) the document and its tables; returns the exit code."""
+    data = StudyData(spec, load_results(spec))
+    texts = _rendered(spec, data)
+    if check:
+        stale = 0
+        for path, text in texts.items():
+            try:
+                current = path.read_text(encoding="utf-8")
+            except OSError:
+                current = None
+            if current == text:
+                continue
+            stale += 1
+            import difflib
+
+            echo(f"{spec.shown(path)} differs from what {spec.shown(spec.results_dir)} "
+                 f"renders; run `{spec.command}` and commit the result")
+            if current is not None:
+                diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(),
+                                                 "committed", "rendered", lineterm="", n=1))
+                for line in diff[:40]:
+                    echo(line)
+        if stale:
+            return 1
+        echo(f"{spec.shown(spec.document)} and its tables are up to date with "
+             f"{spec.shown(spec.results_dir)}")
+        return 0
+    for path, text in texts.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    missing, expected = _missing_count(data)
+    echo(f"wrote {spec.shown(spec.document)} from {expected - missing} of {expected} runs "
+         f"({missing} not run yet)")
+    for path in list(texts)[1:]:
+        echo(f"wrote {spec.shown(path)}")
+    if figures:
+        for path in write_figures(build_figures(data), figure_files(spec)):
+            echo(f"wrote {spec.shown(path)}")
+    return 0

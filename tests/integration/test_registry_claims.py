@@ -1,0 +1,132 @@
+"""One pairing rule and one set of claims: the registry stores the rule's baseline on every run,
+and `GET /sweeps/{ref}/claims` on the committed study data says what docs/RESULTS-d64.md says."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from crucible import stats, study
+from crucible.config import Config
+
+pytestmark = pytest.mark.integration
+
+V1 = "/api/v1"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(*, p, seed, compression="ssn", strategy="skip", duration=6):
+    config = Config()
+    config.pipeline.compression = compression
+    config.faults.p, config.faults.strategy, config.faults.duration = p, strategy, duration
+    config.seed = seed
+    return config.to_dict()
+
+
+def _create(registry, sweep_id, config):
+    response = registry.post(f"{V1}/runs", json={"sweep_id": sweep_id, "config": config})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _finish(registry, run_id, status, loss=None):
+    response = registry.patch(f"{V1}/runs/{run_id}",
+                              json={"status": status, "final_val_loss": loss})
+    assert response.status_code == 200, response.text
+
+
+def _baseline_of(registry, run_id):
+    return registry.get(f"{V1}/runs/{run_id}").json()["baseline_run_id"]
+
+
+def test_the_stored_baseline_follows_the_one_rule(registry):
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "pairing"}).json()
+    faulty = _create(registry, sweep["id"], _config(p=0.2, seed=1))
+    first = _create(registry, sweep["id"], _config(p=0.0, seed=1))
+    second = _create(registry, sweep["id"], _config(p=0.0, seed=1))
+    other_seed = _create(registry, sweep["id"], _config(p=0.0, seed=2))
+    # none usable yet: the first unfinished one, so the run page says where it will come from
+    assert _baseline_of(registry, faulty["id"]) == first["id"]
+    _finish(registry, faulty["id"], "completed", 2.2)
+    _finish(registry, second["id"], "completed", 2.0)     # the first usable one now
+    assert _baseline_of(registry, faulty["id"]) == second["id"]
+    _finish(registry, first["id"], "completed", 1.0)      # earlier in creation order: it wins
+    assert _baseline_of(registry, faulty["id"]) == first["id"]
+    _finish(registry, first["id"], "failed")              # no longer usable: back to the second
+    assert _baseline_of(registry, faulty["id"]) == second["id"]
+    _finish(registry, other_seed["id"], "completed", 9.0)  # another seed's group: no effect
+    assert _baseline_of(registry, faulty["id"]) == second["id"]
+    # the robustness numbers use the same baseline the run carries
+    [item] = [i for i in registry.get(f"{V1}/sweeps/{sweep['id']}/robustness").json()["items"]
+              if i["p"] == 0.2]
+    assert item["mean_pct"] == pytest.approx(100 * (2.2 - 2.0) / 2.0)
+    [base_item] = [i for i in registry.get(f"{V1}/sweeps/{sweep['id']}/robustness")
+                   .json()["items"] if i["p"] == 0.0]
+    assert dict(zip(base_item["seeds"], base_item["run_ids"], strict=True)) == {
+        1: second["id"], 2: other_seed["id"]}
+
+
+def test_claims_need_one_duration(registry):
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "durations"}).json()
+    for duration in (2, 6):
+        for p in (0.0, 0.1):
+            run = _create(registry, sweep["id"], _config(p=p, seed=0, duration=duration))
+            _finish(registry, run["id"], "completed", 2.0 + p)
+    response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+    assert response.status_code == 422
+    assert "duration" in response.text and "2, 6" in response.text
+    chosen = registry.get(f"{V1}/sweeps/{sweep['id']}/claims", params={"duration": 6})
+    assert chosen.status_code == 200 and chosen.json()["duration"] == 6
+    assert registry.get(f"{V1}/sweeps/{sweep['id']}/claims",
+                        params={"duration": 3}).status_code == 422
+
+
+def _committed_study():
+    spec = study.load_spec(ROOT / "studies" / "table1.toml")
+    return spec, study.load_results(spec)
+
+
+@pytest.mark.slow
+def test_rest_claims_agree_with_the_committed_study_document(registry):
+    """The 270 committed runs of the first study, posted to the registry as one sweep (its
+    labelled decode variants left out: a sweep has no labels, and no claim reads them): REST's
+    claims equal the study's, and every comparison's line in docs/RESULTS-d64.md shows REST's
+    interval, seeds and status."""
+    spec, results = _committed_study()
+    cells = {c.id: c for c in study.expand_cells(spec)}
+    sweep = registry.post(f"{V1}/sweeps", json={
+        "name": "table1-in-registry", "spec": {"close_margin": spec.close_margin,
+                                               "equivalence_margin": spec.equivalence_margin,
+                                               "target_half_width": spec.resolve_threshold}}
+                          ).json()
+    posted = 0
+    for cell_id, summary in sorted(results.items()):
+        if cells[cell_id].key.label:
+            continue
+        run = _create(registry, sweep["id"], summary["config"])
+        _finish(registry, run["id"], "completed", summary["final_val_loss"])
+        posted += 1
+    assert posted >= 200
+    rest = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+    assert rest.status_code == 200, rest.text
+    body = rest.json()
+    mine = study.StudyData(spec, results).claims()
+    assert [c["tag"] for c in body["claims"]] == [c.tag for c in mine]
+    document = (ROOT / "docs" / "RESULTS-d64.md").read_text(encoding="utf-8")
+    for served, local in zip(body["claims"], mine, strict=True):
+        assert served["verdict"] == local.verdict, served["tag"]
+        assert [c["label"] for c in served["comparisons"]] == [c.label for c in local.comparisons]
+        for c, ref in zip(served["comparisons"], local.comparisons, strict=True):
+            assert c["status"] == ref.status and c["n_seeds"] == ref.stat.n
+            for name, value in (("mean", ref.stat.mean), ("ci_low", ref.stat.lo),
+                                ("ci_high", ref.stat.hi)):
+                assert math.isclose(c[name], value, rel_tol=0, abs_tol=1e-9), (c["label"], name)
+            line = (f"| {c['label']} | {c['n_seeds']} | {c['mean']:+.2f} "
+                    f"[{c['ci_low']:+.2f}, {c['ci_high']:+.2f}] | {c['status']} |")
+            assert line in document, line
+    # the Prefect artifact's rows are these numbers, flattened
+    rows = stats.claim_rows(body)
+    assert len(rows) == sum(max(1, len(c["comparisons"])) for c in body["claims"])
+    assert json.dumps(rows)        # plain JSON, as an artifact table needs

@@ -1,0 +1,231 @@
+"""Import hygiene: the processes that never train (the API, the dashboards, `crucible api`,
+`crucible presets --json`) never import torch, and crucible's modules import each other without
+a cycle at module top level.
+
+The torch checks run each entry point in a fresh interpreter: this test process (conftest) has
+torch loaded already.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "crucible"
+
+# printed last by every probe: which of the heavy modules the entry point loaded
+_REPORT = textwrap.dedent("""
+    import json as _json, sys as _sys
+    print("LOADED=" + _json.dumps(sorted(m for m in ("torch",) if m in _sys.modules)))
+""")
+
+
+def _probe(code: str) -> tuple[list[str], str]:
+    """Run `code` in a fresh interpreter; (heavy modules it loaded, what it printed before)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + _REPORT], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    head, _, tail = done.stdout.rpartition("LOADED=")
+    return json.loads(tail), head
+
+
+def _cli(*args: str) -> str:
+    """The `crucible` console entry point (crucible.cli:main) with `args`, stdout captured."""
+    return f"""
+        import contextlib, io, sys
+        sys.argv = ["crucible", *{list(args)!r}]
+        from crucible.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                main()
+            except SystemExit as exc:
+                assert exc.code in (0, None), exc.code
+        print(out.getvalue())
+    """
+
+
+def test_the_api_app_builds_without_torch():
+    loaded, _ = _probe("""
+        import api.app
+        import db.migrate
+        from api.app import create_app
+        from api.settings import Settings
+
+        app = create_app(Settings(database_url="sqlite://"))
+        assert any(path.startswith("/api/v1/") for path in app.openapi()["paths"])
+    """)
+    assert loaded == [], "the API process imports torch (python -X importtime shows the chain)"
+
+
+@pytest.mark.parametrize("module", ["dashboards.routes", "dashboards.routes_compare",
+                                    "dashboards.cli", "api.cli", "flows.cli"])
+def test_the_dashboards_and_cli_modules_import_without_torch(module):
+    loaded, _ = _probe(f"import {module}")
+    assert loaded == [], f"`import {module}` imports torch"
+
+
+def test_crucible_cli_imports_without_torch():
+    loaded, _ = _probe("""
+        import crucible.cli
+        crucible.cli._register_packages()   # what main() does before parsing: every subcommand
+    """)
+    assert loaded == [], "crucible.cli (with every package's commands registered) imports torch"
+
+
+def test_crucible_presets_json_runs_without_torch():
+    loaded, out = _probe(_cli("presets", "--json"))
+    rows = json.loads(out)
+    assert rows and {"name", "parameters", "expected_cpu"} <= set(rows[0])
+    assert loaded == [], "`crucible presets --json` imports torch"
+
+
+@pytest.mark.parametrize("args", [("api", "--help"), ("--help",)], ids=" ".join)
+def test_crucible_help_runs_without_torch(args):
+    loaded, out = _probe(_cli(*args))
+    assert "Usage" in out
+    assert loaded == [], f"`crucible {' '.join(args)}` imports torch"
+
+
+# --- no import cycles among crucible's modules at module top level --------------------------
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _top_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported: not inside a function, not under
+    `if TYPE_CHECKING:` (its `else:` does run)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+            if isinstance(node, ast.Try):
+                todo.extend(s for handler in node.handlers for s in handler.body)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in _top_level_imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:   # relative: from the module's own package up
+                    package = name.split(".") if is_package else name.split(".")[:-1]
+                    package = package[:len(package) - (node.level - 1)]
+                    base = ".".join(package + ([base] if base else []))
+                # `from pkg import sub` imports the submodule when there is one
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                           for alias in node.names]
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(_a_cycle(graph, component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _a_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest path start -> ... -> start inside `component` (breadth first)."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")   # pragma: no cover
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_top_level_imports_only():
+    graph = _import_graph()
+    assert "crucible.model_file" in graph["crucible.train"]      # a top-level import
+    assert "crucible.bypass" not in graph["crucible.train"]       # the broken cycle's other half
+    assert "crucible.train" in graph["crucible.bypass"]
+    assert "crucible.boundary" in graph["crucible.sync"]          # `from crucible import boundary`
+    assert "crucible.faults" not in graph["crucible.summary"]     # under `if TYPE_CHECKING:`
+
+
+def test_crucible_modules_import_each_other_without_a_cycle():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles at module top level:\n" + "\n".join(
+        " -> ".join(cycle) for cycle in cycles)
+
+
+def test_train_does_not_import_bypass_even_lazily():
+    """bypass re-scores a trained model with the Trainer; the trainer only writes model.pt
+    (crucible.model_file): the dependency runs one way."""
+    tree = ast.parse((PACKAGE / "train.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | \
+        {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+         for alias in node.names}
+    assert "crucible.bypass" not in imported
+    assert not any(isinstance(node, ast.ImportFrom) and node.module == "crucible"
+                   and any(alias.name == "bypass" for alias in node.names)
+                   for node in ast.walk(tree))
