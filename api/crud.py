@@ -313,7 +313,7 @@ def _resolve_config(config: dict[str, Any]) -> Config:
     return resolved
 
 
-def _group_lock(session: Session, run: Run) -> None:
+def _group_lock(session: Session, run: Any) -> None:
     """Serialise re-linking one pairing group (sweep, arm, seed, duration) on Postgres: two
     baselines of one group changing at once would otherwise each link from a stale view. A
     transaction-scoped advisory lock, keyed by a stable 64-bit digest of the group. SQLite
@@ -332,7 +332,7 @@ def _relink_group(session: Session, run: Run) -> None:
     the robustness numbers are computed from (a run that owes records counts as running)."""
     if run.sweep_id is None:
         return
-    _group_lock(session, run)
+    _group_lock(session, run)      # re-entrant within a transaction: update_run took it first
     session.flush()
     query = (select(*_ANALYSIS_COLUMNS, Run.owed_records, Run.baseline_run_id)
              .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
@@ -414,9 +414,20 @@ def list_runs(session: Session, *, sweep_id: uuid.UUID | None = None,
 
 def update_run(session: Session, *, run_id: uuid.UUID, changes: dict[str, Any]) -> Run:
     """Apply `changes` (status, results, summary, tags, add_tags, remove_tags, notes, ...) to a
-    run under a row lock and commit. Raises NotFoundError, TagLimitError."""
+    run under a row lock and commit. Raises NotFoundError, TagLimitError.
+
+    Lock order, the same as `create_run`'s: a baseline's pairing group (advisory lock) first,
+    then the row (FOR NO KEY UPDATE, which leaves the foreign-key checks of other runs that
+    point at it free), so a baseline's update and a run created in its group never deadlock.
+    The group's columns never change, so reading them before the locks is safe."""
     _lock_for_edit(session)
-    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    group = session.execute(select(Run.sweep_id, Run.compression, Run.seed, Run.duration, Run.p)
+                            .where(Run.id == run_id)).one_or_none()
+    if group is None:
+        raise NotFoundError(f"run {run_id} does not exist", field="run_id")
+    if group.sweep_id is not None and group.p == 0.0:
+        _group_lock(session, group)
+    run = session.get(Run, run_id, with_for_update={"key_share": True}, populate_existing=True)
     if run is None:
         raise NotFoundError(f"run {run_id} does not exist", field="run_id")
     before = _pairing_view(run)
@@ -625,7 +636,8 @@ def sweep_claims(session: Session, *, sweep_id: uuid.UUID,
 
     def number(name: str) -> float:
         value = spec.get(name)
-        return float(value) if isinstance(value, int | float) and value > 0 else 0.5
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        return float(value) if ok else 0.5
 
     try:
         result = stats.sweep_claims(sweep_run_rows(session, sweep_id=sweep_id),

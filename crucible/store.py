@@ -292,7 +292,9 @@ class LocalStore:
 
 _TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable",
                     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                    "RequestTimeTooSkewed", "TooManyRequestsException"}
+                    "RequestTimeTooSkewed", "TooManyRequestsException", "429",
+                    "TooManyRequests", "RequestLimitExceeded", "BandwidthLimitExceeded",
+                    "RequestThrottled", "ProvisionedThroughputExceededException"}
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 # 409: a concurrent conditional write to the same key is in flight; the other writer wins.
 _EXISTS_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
 
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "Cell", "expand_grid",
-           "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "ANNOTATIONS", "DEMO_SPEC"]
+           "ARMS", "STRATEGIES", "PRESET_NAMES", "BASELINE_STRATEGY", "ANNOTATIONS", "DEMO_SPEC",
+           "identity_of"]
 
 Arm = Compression
 StrategyName = Strategy
@@ -212,9 +213,19 @@ class SweepSpec(BaseModel):
     def identity(self) -> dict[str, Any]:
         """The spec as JSON without its annotations (`ANNOTATIONS`): what makes two sweeps the
         same sweep, so a re-run with other tags or notes continues the one it re-runs."""
-        # a sweep without precision rounds keeps the identity it had before they existed
-        unset = {"max_seeds"} if self.max_seeds is None else set()
-        return self.model_dump(mode="json", exclude=set(ANNOTATIONS) | unset)
+        return identity_of(self.model_dump(mode="json"))
+
+
+def identity_of(stored: dict[str, Any]) -> dict[str, Any]:
+    """The identity of a spec as stored with its sweep (`SweepSpec.model_dump(mode="json")`,
+    of this release or an earlier one): without its annotations, and without `max_seeds` when
+    it is unset (a sweep without precision rounds keeps the identity it had before they
+    existed). With `max_seeds` set, `target_half_width` decides which seeds run, so it is part
+    of the identity then."""
+    rounds = stored.get("max_seeds") is not None
+    return {k: v for k, v in stored.items()
+            if (k not in ANNOTATIONS or (rounds and k == "target_half_width"))
+            and not (k == "max_seeds" and v is None)}
 
 
 @dataclass(frozen=True)

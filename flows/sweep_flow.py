@@ -60,7 +60,7 @@ from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
-from flows.spec import ANNOTATIONS, Cell, SweepSpec
+from flows.spec import Cell, SweepSpec, identity_of
 
 __all__ = ["failure_sweep", "find_sweep", "extra_cells", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
            "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
@@ -104,8 +104,8 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
 def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, int], int]],
                 runs: list[dict[str, Any]]) -> list[Cell]:
     """The cells a precision round adds (`crucible.stats.seeds_wanted`): for each wide cell
-    the lowest seeds it has no run of, until it has the wanted count, widest cell first; and
-    the p = 0 baseline of each new (arm, seed) that has none yet, ahead of them."""
+    as many of the lowest seeds it has no run of as it wants added, widest cell first; and the
+    p = 0 baseline of each new (arm, seed) that has none yet, ahead of them."""
     have: dict[tuple[str, str, float], set[int]] = {}
     bases: set[tuple[str, int]] = set()
     for run in runs:
@@ -118,10 +118,11 @@ def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, int],
     baselines: list[Cell] = []
     for (arm, strategy, p, _duration), count in wanted:
         seeds = have.setdefault((arm, strategy, p), set())
-        seed = 0
-        while len(seeds) < count:
+        seed, new = 0, 0
+        while new < count:
             if seed not in seeds:
                 seeds.add(seed)
+                new += 1
                 added.append(Cell(arm=arm, strategy=strategy, p=p, seed=seed))
                 if (arm, seed) not in bases:
                     bases.add((arm, seed))
@@ -186,8 +187,7 @@ def find_sweep(client: Any, name: str, identity: dict[str, Any]) -> str | None:
         page = client.request("GET", "/api/v1/sweeps",
                               params={"limit": 100, "cursor": cursor, "name": name})
         for sweep in page["items"]:
-            stored = {k: v for k, v in (sweep.get("spec") or {}).items()
-                      if k not in ANNOTATIONS}
+            stored = identity_of(sweep.get("spec") or {})
             if sweep.get("name") == name and stored == identity:
                 found = str(sweep["id"])
         cursor = page.get("next_cursor")

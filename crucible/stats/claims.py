@@ -78,8 +78,10 @@ class Claim:
 
     @property
     def verdict(self) -> str:
+        """NOT_RUN while no comparison has a single seed; a comparison with one seed has no
+        interval (MISSING) and leaves its claim NOT_RESOLVED, never decided."""
         statuses = [c.status for c in self.comparisons]
-        if not statuses or all(s == MISSING for s in statuses):
+        if all(c.stat.n == 0 for c in self.comparisons):
             return NOT_RUN
         if CONTRADICTS in statuses:
             return DISAGREES
@@ -266,6 +268,8 @@ def claims_to_dict(claims: Sequence[Claim], *, target_half_width: float) -> list
     out = []
     for claim in claims:
         need = claim.seeds_to_decide()
+        if need is not None and need[0] == 0:      # every open comparison beyond MAX_SEEDS
+            need = (None, need[1])
         comparisons = []
         for c in claim.comparisons:
             stat = c.stat.to_dict()

@@ -179,12 +179,13 @@ def robustness_table(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds: int
                  ) -> list[tuple[tuple[str, str, float, int], int]]:
-    """Seeds by precision: ((compression, strategy, p, duration), seeds it should have after
-    the next round) for every cell at p > 0 whose paired 95% half-width is above `target` and
+    """Seeds by precision: ((compression, strategy, p, duration), seeds to add in the next
+    round) for every cell at p > 0 whose paired 95% half-width is above `target` and
     that has fewer than `max_seeds` seeds, widest first (a cell without an interval yet counts
-    as widest). The count is what its measured sd says a ±target interval needs
-    (`seeds_for_half_width`; 2 while it has no sd), at least one more than it has, at most
-    `max_seeds`. It reads widths only, never a mean: stopping when an effect looks significant
+    as widest). It should have what its measured sd says a ±target interval needs
+    (`seeds_for_half_width`; 2 while it has no sd), at least one more than its usable seeds,
+    at most `max_seeds`: the difference is added (runs that exist but are not usable, a failed
+    seed say, do not count as seeds it has). It reads widths only, never a mean: stopping when an effect looks significant
     would bias the estimate (optional stopping), stopping on width does not."""
     wanted = []
     for item in items:
@@ -204,6 +205,6 @@ def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds
             need = seeds_for_half_width(sd, target, cap=max_seeds) or max_seeds
         key = (str(item["compression"]), str(item["strategy"]), float(item["p"]),
                int(item["duration"]))
-        wanted.append((half, key, min(max_seeds, max(n + 1, need))))
+        wanted.append((half, key, min(max_seeds, max(n + 1, need)) - n))
     wanted.sort(key=lambda w: (-w[0], w[1]))
     return [(key, count) for _, key, count in wanted]

@@ -105,6 +105,9 @@ def _cell_name(key: GridKey) -> str:
 def _claim_summary(claim: Claim) -> str:
     stats = [c for c in claim.comparisons if c.stat.n >= 2]
     if not stats:
+        if any(c.stat.n for c in claim.comparisons):
+            return (f"{len(claim.comparisons)} comparisons, none with 2 seeds yet (one seed "
+                    "gives no interval)")
         return "not run yet"
     counts = ", ".join(f"{claim.count(k)} {k}" for k in ("supports", "unresolved", "contradicts",
                                                          "missing") if claim.count(k))

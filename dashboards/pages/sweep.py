@@ -85,8 +85,13 @@ _VERDICT_CLASS = {"agrees": "ok", "disagrees": "bad", "not resolved": "open",
                   "not run yet": "none"}
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
+
+
 def _interval(c: Mapping[str, Any]) -> str:
-    mean, lo, hi = c.get("mean"), c.get("ci_low"), c.get("ci_high")
+    mean, lo, hi = _number(c.get("mean")), _number(c.get("ci_low")), _number(c.get("ci_high"))
     if mean is None:
         return "not run yet"
     if lo is None or hi is None:
@@ -95,7 +100,7 @@ def _interval(c: Mapping[str, Any]) -> str:
 
 
 def _width(c: Mapping[str, Any], target: float) -> str:
-    half = c.get("half_width")
+    half = _number(c.get("half_width"))
     if half is None:
         return "—"
     mark = "≤" if half <= target else "&gt;"
@@ -103,15 +108,18 @@ def _width(c: Mapping[str, Any], target: float) -> str:
     return f'<span class="width-{cls}">±{half:.2f} {mark} {target:g}</span>'
 
 
-def _seeds(c: Mapping[str, Any], max_seeds: int) -> str:
-    need = c.get("seeds_for_target")
-    have = c.get("n_seeds") or 0
-    text = f"&gt; {max_seeds}" if need is None and c.get("sd") is not None else (
-        "—" if need is None else str(need))
-    decide = c.get("seeds_to_decide")
+def _count(value: Any) -> str | None:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _seeds(c: Mapping[str, Any], max_seeds: str) -> str:
+    need, have, decide = (_count(c.get(k)) for k in ("seeds_for_target", "n_seeds",
+                                                      "seeds_to_decide"))
+    beyond = f"&gt; {max_seeds}"
+    text = need if need is not None else (beyond if c.get("sd") is not None else "—")
     if c.get("status") == "unresolved":
-        text += f" · decides at {decide if decide is not None else f'&gt; {max_seeds}'}"
-    return f"{have} / {text}"
+        text += f" · decides at {decide if decide is not None else beyond}"
+    return f"{have or '0'} / {text}"
 
 
 def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
@@ -124,7 +132,7 @@ def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
     items = claims.get("claims") or []
     if not items:
         return ""
-    target = float(claims.get("target_half_width") or 0.5)
+    target = _number(claims.get("target_half_width")) or 0.5
     head = ("<tr><th>claim</th><th>verdict</th><th>comparison</th><th>status</th>"
             "<th>paired 95% interval, points</th><th>blog</th><th>half-width vs target</th>"
             "<th>seeds: have / need for target</th></tr>")
@@ -132,24 +140,27 @@ def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
     for claim in items:
         comparisons = claim.get("comparisons") or [{}]
         verdict = str(claim.get("verdict"))
+        most = _count(claim.get("max_seeds")) or "1000"
         span = f' rowspan="{len(comparisons)}"'
         lead = (f'<td{span} title="{esc(claim.get("rule"))}"><b>({esc(claim.get("tag"))})</b> '
                 f'{esc(claim.get("title"))}<br><small>blog: {esc(claim.get("blog"))}</small></td>'
                 f'<td{span} class="verdict verdict-{_VERDICT_CLASS.get(verdict, "none")}" '
                 f'data-claim="{esc(claim.get("tag"))}">{esc(verdict)}</td>')
         for i, c in enumerate(comparisons):
-            ref = c.get("reference")
+            ref = _number(c.get("reference"))
             cells = (f"<td>{esc(c.get('label') or '—')}</td>"
                      f"<td class=\"status-{esc(c.get('status'))}\">{esc(c.get('status') or '—')}</td>"
                      f"<td class=num>{esc(_interval(c)) if c else '—'}</td>"
                      f"<td class=num>{'—' if ref is None else f'{ref:+.2f}'}</td>"
                      f"<td class=num>{_width(c, target)}</td>"
-                     f"<td class=num>{_seeds(c, int(claim.get('max_seeds') or 1000)) if c else '—'}</td>")
+                     f"<td class=num>{_seeds(c, most) if c else '—'}</td>")
             rows.append(f"<tr>{lead if i == 0 else ''}{cells}</tr>")
+    duration = claims.get("duration")
     note = (f'<p class="meta">Decided on paired 95% intervals over seeds, in points of each '
-            f"arm's own no-failure loss (failure duration {esc(claims.get('duration'))}); "
-            f"close = ±{float(claims.get('close_margin') or 0.5):g}, equivalence = "
-            f"±{float(claims.get('equivalence_margin') or 0.5):g}, target half-width "
+            f"arm's own no-failure loss"
+            f"{f' (failure duration {esc(duration)})' if duration is not None else ''}; "
+            f"close = ±{_number(claims.get('close_margin')) or 0.5:g}, equivalence = "
+            f"±{_number(claims.get('equivalence_margin')) or 0.5:g}, target half-width "
             f"±{target:g}. A verdict never rests on one seed; hover a claim for its rule.</p>")
     return (f'<section id="claims"><h2>Claims</h2>{note}'
             f'<table class="data" id="claims-table">{head}{"".join(rows)}</table>'

@@ -130,3 +130,54 @@ def test_rest_claims_agree_with_the_committed_study_document(registry):
     rows = stats.claim_rows(body)
     assert len(rows) == sum(max(1, len(c["comparisons"])) for c in body["claims"])
     assert json.dumps(rows)        # plain JSON, as an artifact table needs
+
+
+def _check_0005_relinks(url: str) -> None:
+    import uuid as uuid_module
+
+    import sqlalchemy as sa
+
+    from db.migrate import downgrade, upgrade
+
+    upgrade(url, "0004")
+    engine = sa.create_engine(url)
+    ids = {name: uuid_module.uuid4() for name in ("sweep", "failed", "good", "faulty")}
+    try:
+        with engine.begin() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+
+            def key(name: str) -> str:
+                return ids[name].hex if sqlite else str(ids[name])
+
+            conn.execute(sa.text(
+                "INSERT INTO sweeps (id, name, status, created_at, updated_at) VALUES (:id, "
+                "'old', 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"), {"id": key("sweep")})
+            for n, (name, p, status, loss, base) in enumerate([
+                    ("failed", 0.0, "failed", None, None), ("good", 0.0, "completed", 2.0, None),
+                    ("faulty", 0.2, "completed", 2.2, "failed")]):
+                conn.execute(sa.text(
+                    "INSERT INTO runs (id, sweep_id, config, compression, strategy, p, duration, "
+                    "seed, preset, status, final_val_loss, baseline_run_id, created_at, "
+                    "updated_at) VALUES (:id, :sweep, '{}', 'ssn', :strategy, :p, 6, 0, 'smoke', "
+                    ":status, :loss, :base, :at, :at)"),
+                    {"id": key(name), "sweep": key("sweep"), "strategy": None if p == 0 else "skip",
+                     "p": p, "status": status, "loss": loss,
+                     "base": None if base is None else key(base),
+                     "at": f"2026-01-01 00:00:0{n}"})
+        upgrade(url, "0005")
+        with engine.connect() as conn:
+            linked = conn.execute(sa.text("SELECT baseline_run_id FROM runs WHERE id = :id"),
+                                  {"id": key("faulty")}).scalar()
+        assert uuid_module.UUID(str(linked)) == ids["good"]     # the old rule's failed one, no more
+        downgrade(url, "0004")
+    finally:
+        engine.dispose()
+    downgrade(url)
+
+
+def test_migration_0005_relinks_by_the_one_rule_postgres(fresh_pg_url):
+    _check_0005_relinks(fresh_pg_url)
+
+
+def test_migration_0005_relinks_by_the_one_rule_sqlite(tmp_path):
+    _check_0005_relinks(f"sqlite:///{tmp_path / 'crucible.db'}")

@@ -108,5 +108,6 @@ def test_rest_guide_examples_run_against_the_api(client: Any) -> None:
         "GET $CRUCIBLE_API/api/v1/runs/$RUN_ID/events",
         "GET $CRUCIBLE_API/api/v1/sweeps/rest%20guide%20sweep",
         "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/robustness",
-        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/table"]
+        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/table",
+        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/claims"]
     assert env["CURSOR"]

@@ -137,13 +137,13 @@ def test_seeds_wanted_picks_only_cells_wider_than_the_target_widest_first():
     wanted = seeds_wanted(items, target=0.5, max_seeds=40)
     assert [key for key, _ in wanted] == [("ssn", "skip", 0.2, 6), ("ssn", "drop", 0.1, 6),
                                           ("ssn", "drop", 0.2, 6)]
-    counts = dict(wanted)
-    assert counts[("ssn", "skip", 0.2, 6)] == 2           # one seed: a second gives an sd
-    # half 2.0 at n = 4: sd = 2.0 * 2 / t(0.975, 3); the seeds that sd needs for ±0.5
+    added = dict(wanted)
+    assert added[("ssn", "skip", 0.2, 6)] == 1            # one seed: a second gives an sd
+    # half 2.0 at n = 4: sd = 2.0 * 2 / t(0.975, 3); the seeds that sd needs for ±0.5, less 4
     sd = 2.0 * 2 / t_quantile(0.975, 3)
-    assert counts[("ssn", "drop", 0.1, 6)] == seeds_for_half_width(sd, 0.5)
+    assert added[("ssn", "drop", 0.1, 6)] == seeds_for_half_width(sd, 0.5) - 4
     assert seeds_wanted(items, target=0.5, max_seeds=4) == [
-        (("ssn", "skip", 0.2, 6), 2), (("ssn", "drop", 0.2, 6), 4)]   # the budget caps them
+        (("ssn", "skip", 0.2, 6), 1), (("ssn", "drop", 0.2, 6), 1)]   # the budget caps them
 
 
 def test_seeds_wanted_reads_widths_never_means():
@@ -164,12 +164,12 @@ def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
     runs = [{"compression": "ssn", "strategy": s, "p": p, "seed": seed}
             for seed in (0, 1) for s, p in (("skip", 0.0), ("skip", 0.1), ("drop", 0.1))]
     runs.append({"compression": "ssn", "strategy": "drop", "p": 0.1, "seed": 5})
-    cells = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 4)], runs)
+    cells = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 1)], runs)
     labels = [c.label for c in cells]
-    # seeds 0, 1 and 5 are there: one more, the lowest free one, and its baseline; the skip
+    # seeds 0, 1 and 5 have runs: one more is the lowest free one, with its baseline; the skip
     # cell is not asked for and gets none
     assert labels == ["ssn/baseline/p=0/seed=2", "ssn/drop/p=0.1/seed=2"]
-    more = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 6), (("ssn", "skip", 0.1, 6), 3)], runs)
+    more = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 3), (("ssn", "skip", 0.1, 6), 1)], runs)
     assert [c.label for c in more] == [
         "ssn/baseline/p=0/seed=2", "ssn/baseline/p=0/seed=3", "ssn/baseline/p=0/seed=4",
         "ssn/drop/p=0.1/seed=2",

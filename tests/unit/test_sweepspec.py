@@ -97,3 +97,22 @@ def test_schema_renders_dropdowns_and_descriptions() -> None:
 def test_demo_spec_is_the_advertised_grid() -> None:
     cells = SweepSpec(**DEMO_SPEC).cells()
     assert len(cells) == 2 * 2 * 2 + 2
+
+
+def test_a_sweep_stored_before_claims_and_precision_keeps_its_identity():
+    from flows.spec import identity_of
+
+    spec = SweepSpec(**DEMO_SPEC)
+    stored_today = spec.model_dump(mode="json")
+    older = {k: v for k, v in stored_today.items()            # what an earlier release stored
+             if k not in ("close_margin", "equivalence_margin", "target_half_width",
+                          "max_seeds")}
+    assert identity_of(older) == identity_of(stored_today) == spec.identity()
+    # a new target or margins is another reading of the same runs: the same sweep
+    assert SweepSpec(**DEMO_SPEC, target_half_width=0.2).identity() == spec.identity()
+    # a seed budget changes what runs: another sweep; and with one, so does the target
+    assert SweepSpec(**DEMO_SPEC, max_seeds=4).identity() != spec.identity()
+    assert (SweepSpec(**DEMO_SPEC, max_seeds=4, target_half_width=0.2).identity()
+            != SweepSpec(**DEMO_SPEC, max_seeds=4).identity())
+    with pytest.raises(ValueError, match="max_seeds"):
+        SweepSpec(**{**DEMO_SPEC, "seeds": [0, 1, 2]}, max_seeds=2)
