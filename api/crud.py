@@ -334,18 +334,10 @@ def _relink_group(session: Session, run: Run) -> None:
         return
     _group_lock(session, run)      # re-entrant within a transaction: update_run took it first
     session.flush()
-    query = (select(*_ANALYSIS_COLUMNS, Run.owed_records, Run.baseline_run_id)
-             .where(Run.sweep_id == run.sweep_id, Run.compression == run.compression,
-                    Run.seed == run.seed, Run.duration == run.duration)
-             .order_by(Run.created_at, Run.id))
-    rows, linked = [], {}
-    for *values, owed, baseline in session.execute(query):
-        row = dict(zip(_ANALYSIS_KEYS, values, strict=True))
-        row["id"] = str(row["id"])
-        if owed:
-            row["status"] = RUNNING
-        rows.append(row)
-        linked[row["id"]] = None if baseline is None else str(baseline)
+    rows = _analysis_rows(session, Run.sweep_id == run.sweep_id,
+                          Run.compression == run.compression, Run.seed == run.seed,
+                          Run.duration == run.duration, linked=True)
+    linked = {row["id"]: row["baseline_run_id"] for row in rows}
     for run_id, baseline in stats.baseline_ids(rows).items():
         if linked[run_id] != baseline:
             session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(
@@ -607,12 +599,22 @@ def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, A
     data point until they arrive. Raises NotFoundError."""
     if session.scalar(select(Sweep.id).where(Sweep.id == sweep_id)) is None:
         raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
-    query = (select(*_ANALYSIS_COLUMNS, Run.owed_records).where(Run.sweep_id == sweep_id)
+    return _analysis_rows(session, Run.sweep_id == sweep_id)
+
+
+def _analysis_rows(session: Session, *where: Any, linked: bool = False
+                   ) -> list[dict[str, Any]]:
+    """The analysis view of the runs matching `where`, in creation order (a run that owes
+    records has status "running"); with `linked`, each row also holds its stored
+    `baseline_run_id` (str or None)."""
+    query = (select(*_ANALYSIS_COLUMNS, Run.owed_records, Run.baseline_run_id).where(*where)
              .order_by(Run.created_at, Run.id))
     rows = []
-    for *values, owed in session.execute(query):
+    for *values, owed, baseline in session.execute(query):
         row = dict(zip(_ANALYSIS_KEYS, values, strict=True))
         row["id"] = str(row["id"])
+        if linked:
+            row["baseline_run_id"] = None if baseline is None else str(baseline)
         if owed:
             row["status"] = RUNNING
         rows.append(row)

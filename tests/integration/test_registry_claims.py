@@ -9,20 +9,12 @@ from pathlib import Path
 import pytest
 
 from crucible import stats, study
-from crucible.config import Config
+from tests.integration.test_registry_api import _config
 
 pytestmark = pytest.mark.integration
 
 V1 = "/api/v1"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _config(*, p, seed, compression="ssn", strategy="skip", duration=6):
-    config = Config()
-    config.pipeline.compression = compression
-    config.faults.p, config.faults.strategy, config.faults.duration = p, strategy, duration
-    config.seed = seed
-    return config.to_dict()
 
 
 def _create(registry, sweep_id, config):
