@@ -43,7 +43,7 @@ class PilotRow:
 
 def _grid_cells_per_arm(spec: Any) -> dict[str, int]:
     """Failure cells per arm in `spec`'s grid (its baselines add one per seed)."""
-    from crucible.study import grid_keys
+    from crucible.spec import grid_keys
 
     counts: dict[str, int] = {}
     for key in grid_keys(spec):
@@ -61,13 +61,13 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
     from crucible.stats import seeds_for_half_width, stat_of
     from crucible.study import StudyData, load_results, load_spec
 
-    target = spec.resolve_threshold if target is None else target
+    target = spec.target_half_width if target is None else target
     per_arm = _grid_cells_per_arm(spec)
     rows: list[PilotRow] = []
-    for path in spec.pilots:
+    for path in spec.files.pilots:
         pilot = load_spec(path)
         data = StudyData(pilot, load_results(pilot))
-        config = apply_overrides(get_preset(pilot.preset), list(pilot.sets))
+        config = apply_overrides(get_preset(pilot.preset), list(pilot.common_overrides()))
         for arm in ARMS:
             key = data.find(arm, "skip", PILOT_P)
             if key is None:
@@ -94,7 +94,7 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
                      else runs_total * wall / 3600.0)
             dims = (config.model.d_model if arm == "none"
                     else config.model.d_model // config.pipeline.factor)
-            rows.append(PilotRow(pilot.name, pilot.preset, pilot.sets, dims, arm, paired.n,
+            rows.append(PilotRow(pilot.name, pilot.preset, pilot.common_overrides(), dims, arm, paired.n,
                                  base_mean, base_sd, paired.mean, paired.sd, wall, needed,
                                  runs_total, cpu_h, machines))
     return rows
@@ -110,7 +110,7 @@ def pilot_section(spec: Any, rows: Sequence[PilotRow], labels: Mapping[str, str]
     """The "How the preset was chosen" section (Markdown lines)."""
     if not rows:
         return []
-    target = spec.resolve_threshold
+    target = spec.target_half_width
     out = ["## How the preset was chosen", "",
            f"Each candidate preset (a pilot spec: `crucible study run PILOT`) was run at skip, "
            f"p = {PILOT_P:g} and p = 0 over the same seeds. Per arm: the baselines' final loss "
@@ -143,7 +143,7 @@ def pilot_section(spec: Any, rows: Sequence[PilotRow], labels: Mapping[str, str]
         out += ["", "This study's grid at each pilot's seeds: " + "; ".join(
             f"`{name}` {runs:,} runs, {hours:.1f} CPU-hours" for name, (runs, hours)
             in totals.items()) + " (rows summed; only pilots with every arm measured)."]
-    reused = {p.resolve() for p in spec.reuse}
+    reused = {p.resolve() for p in spec.files.reuse}
     chosen = [r.pilot for r in rows if any(
         p.name == f"{r.pilot}.toml" or p.stem == r.pilot for p in reused)]
     if chosen:
@@ -168,7 +168,7 @@ def token_rows(spec: Any) -> list[dict[str, Any]]:
     from crucible.names import ARMS
     from crucible.study import StudyData, load_results, load_spec
 
-    half_spec, full_spec = (load_spec(p) for p in spec.token_check)
+    half_spec, full_spec = (load_spec(p) for p in spec.files.token_check)
     half = StudyData(half_spec, load_results(half_spec))
     full = StudyData(full_spec, load_results(full_spec))
     rows = []
@@ -193,7 +193,7 @@ def token_section(spec: Any, labels: Mapping[str, str]) -> list[str]:
     if not rows:
         from crucible.study import load_spec
 
-        half = load_spec(spec.token_check[0])
+        half = load_spec(spec.files.token_check[0])
         return ["### Is the preset token-limited?", "",
                 f"Not measured yet: `crucible study run {half.shown(half.path)}` runs the "
                 "preset's baselines with half the tokens.", ""]

@@ -22,10 +22,10 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
     from crucible.study import StudyData, load_results, load_spec
 
     def params(spec: Any) -> int:
-        return parameter_count(apply_overrides(get_preset(spec.preset), list(spec.sets)))
+        return parameter_count(apply_overrides(get_preset(spec.preset), list(spec.common_overrides())))
 
     rows = []
-    for path in data.spec.scale:
+    for path in data.spec.files.scale:
         other = load_spec(path)
         big = StudyData(other, load_results(other))
         for key in big.grid():

@@ -37,7 +37,7 @@ def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
     """Build the SweepSpec (the demo grid when `demo`, options given explicitly win)."""
     from pydantic import ValidationError
 
-    from flows.spec import DEMO_SPEC, SweepSpec
+    from crucible.spec import DEMO_SPEC, SweepSpec
 
     data = dict(DEMO_SPEC) if demo else {}
     data.update({key: value for key, value in values.items() if value not in (None, [])})

@@ -21,10 +21,10 @@ from typing import Any
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 
+from crucible.spec import DEMO_SPEC
 from flows.distributed_flow import distributed_run
 from flows.identity import code_version
 from flows.run_flow import train_run
-from flows.spec import DEMO_SPEC
 from flows.sweep_flow import failure_sweep
 
 __all__ = ["DEPLOYMENTS", "build_deployments", "serve_deployments", "deploy_to_pool",

@@ -51,16 +51,16 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
-from crucible.config import Config
+from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry_client import ApiError, ApiUnavailable
+from crucible.spec import Cell, SweepSpec, identity_of
 from crucible.stats import claim_rows, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
-from flows.spec import Cell, SweepSpec, identity_of
 
 __all__ = ["failure_sweep", "find_sweep", "extra_cells", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
            "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
@@ -93,6 +93,12 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     """Resolve every cell's config up front (default: the spec's grid); raises ConfigError
     before anything is registered."""
     store = spec.store_url or settings.store_url
+    labelled = [i for i, block in enumerate(spec.grid or []) if block.label]
+    if labelled:
+        raise ConfigError(
+            f"spec.grid[{labelled[0]}]: the registry groups a sweep's runs by arm, strategy, p "
+            "and duration, so it cannot tell a labelled block's cells from the unlabelled ones "
+            "yet; run this spec with `crucible study run`, or drop the block's label and `set`")
     planned = []
     for cell in spec.cells() if cells is None else cells:
         overrides = cell.overrides(spec)
@@ -123,10 +129,10 @@ def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, int],
             if seed not in seeds:
                 seeds.add(seed)
                 new += 1
-                added.append(Cell(arm=arm, strategy=strategy, p=p, seed=seed))
+                added.append(Cell.of(arm, strategy, p, seed))
                 if (arm, seed) not in bases:
                     bases.add((arm, seed))
-                    baselines.append(Cell(arm=arm, strategy=None, p=0.0, seed=seed))
+                    baselines.append(Cell.of(arm, None, 0.0, seed))
             seed += 1
     return baselines + added
 

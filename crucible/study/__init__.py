@@ -77,24 +77,15 @@ from crucible.study.runner import machine_description as machine_description
 from crucible.study.runner import portable as portable
 from crucible.study.runner import run_command as run_command
 from crucible.study.runner import slim_summary as slim_summary
-from crucible.study.spec import BASELINE_NEUTRAL_KEYS as BASELINE_NEUTRAL_KEYS
 from crucible.study.spec import (
     DEFAULT_SPEC,
-    Block,
-    Cell,
     FigureError,
-    GridKey,
-    Spec,
     StudyError,
     completed_cells,
-    expand_cells,
     load_spec,
 )
-from crucible.study.spec import GRID_KEYS as GRID_KEYS
-from crucible.study.spec import grid_keys as grid_keys
 from crucible.study.spec import result_path as result_path
 
-__all__ = ["StudyError", "FigureError", "Spec", "Block", "Cell", "GridKey", "load_spec",
-           "expand_cells", "completed_cells", "run_study", "load_results", "StudyData",
+__all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "run_study", "load_results", "StudyData",
            "render_markdown", "build_figures", "write_figures", "render", "noise_floor",
            "register", "NOISE_FLOOR_Z", "DEFAULT_SPEC"]

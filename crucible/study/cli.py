@@ -7,19 +7,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from crucible.spec import SweepSpec, expand_cells
 from crucible.study.document import render
 from crucible.study.runner import adopt_results, check_same_cpu, run_command, run_study
-from crucible.study.spec import (
-    FigureError,
-    Spec,
-    StudyError,
-    completed_cells,
-    expand_cells,
-    load_spec,
-)
+from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec
 
 
-def _check_machine(spec: Spec, *, memory_check: bool = True) -> None:
+def _check_machine(spec: SweepSpec, *, memory_check: bool = True) -> None:
     """Refuse (ConfigError) a spec whose cells this machine cannot run (device, memory estimate
     of one run), before any run starts; each cell's `crucible run` checks again for itself."""
     from crucible.config import apply_overrides
@@ -28,13 +22,13 @@ def _check_machine(spec: Spec, *, memory_check: bool = True) -> None:
 
     base, seen = get_preset(spec.preset), set()
     for cell in expand_cells(spec):
-        config = apply_overrides(base, [o for o in cell.overrides() if not o.startswith("seed=")])
+        config = apply_overrides(base, [o for o in cell.overrides(spec) if not o.startswith("seed=")])
         if config.to_json() not in seen:
             seen.add(config.to_json())
             check_machine(config, memory_check=memory_check)
 
 
-def _parse_seeds(text: str | None, spec: Spec) -> list[int] | None:
+def _parse_seeds(text: str | None, spec: SweepSpec) -> list[int] | None:
     if text is None:
         return None
     try:

@@ -10,9 +10,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from crucible.names import COMPLETED
+from crucible.spec import GridKey, SweepSpec, expand_cells, grid_keys
 from crucible.stats import CellKey, Claim, Stat, evaluate_claims, paired_degradations, stat_of
 from crucible.study.runner import load_results
-from crucible.study.spec import DEFAULT_SPEC, GridKey, Spec, expand_cells, grid_keys, load_spec
+from crucible.study.spec import DEFAULT_SPEC, load_spec
 
 NOISE_FLOOR_Z = 1.96      # one seed's value lies within ± 1.96 sd of its cell's mean (95%)
 
@@ -29,7 +30,7 @@ def _row(key: GridKey, seed: int, summary: Mapping[str, Any]) -> dict[str, Any]:
 class StudyData:
     """A spec with its loaded results: per-seed degradations, cell statistics, comparisons."""
 
-    def __init__(self, spec: Spec, results: Mapping[str, dict[str, Any]]) -> None:
+    def __init__(self, spec: SweepSpec, results: Mapping[str, dict[str, Any]]) -> None:
         self.spec = spec
         self.results = dict(results)
         self.cells = expand_cells(spec)

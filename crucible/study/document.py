@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from crucible.names import ARM_LABEL, ARMS
+from crucible.spec import GridKey, SweepSpec
 from crucible.stats import (
     BLOG_DROP,
     BLOG_SKIP,
@@ -47,7 +48,6 @@ from crucible.study.formatting import (
     _verdict_word,
 )
 from crucible.study.runner import load_results
-from crucible.study.spec import GridKey, Spec
 
 
 def _share(run: Mapping[str, Any]) -> float | None:
@@ -73,7 +73,7 @@ def _setting(data: StudyData) -> dict[str, Any]:
             continue
     if config is None:
         from crucible.config import apply_overrides
-        config = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets))
+        config = apply_overrides(get_preset(data.spec.preset), list(data.spec.common_overrides()))
     shapes = {_shape(r) for r in runs}
     digests = {r["data_digest"] for r in runs if r.get("data_digest")}
     shas: dict[str, int] = {}
@@ -195,8 +195,8 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     out += ["## Setting", "",
             f"- Model: {setting['params'] / 1e6:.2f}M parameters per replica (d_model {m.d_model}, "
             f"{m.layers} layers, {m.heads} heads, context {m.seq_len}, vocabulary {m.vocab_size}), "
-            f"preset `{spec.preset}`" + ("" if not spec.sets else
-                                         f" with {', '.join(f'`{s}`' for s in spec.sets)}") + ".",
+            f"preset `{spec.preset}`" + ("" if not spec.common_overrides() else
+                                         f" with {', '.join(f'`{s}`' for s in spec.common_overrides())}") + ".",
             f"- Training: R = {cfg.replicas} data-parallel replicas x S = {cfg.pipeline.stages} "
             f"pipeline stages, SparseLoCo with H = {cfg.sparseloco.inner_steps} inner steps per "
             f"global step, {t.global_steps} global steps, {t.batch_size} sequences per replica "
@@ -244,11 +244,11 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     if spec.notes:
         out += ["", spec.notes]
     out.append("")
-    if spec.pilots:
+    if spec.files.pilots:
         from crucible.pilot import pilot_rows, pilot_section
 
         out += pilot_section(spec, pilot_rows(spec), ARM_LABEL)
-    if spec.token_check:
+    if spec.files.token_check:
         from crucible.pilot import token_section
 
         out += token_section(spec, ARM_LABEL)
@@ -280,7 +280,7 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     # All cells
     out += ["## All cells", "",
             "Degradation in % of the same-seed baseline's final loss; half-width in points; the "
-            f"seeds its measured sd says a ±{spec.resolve_threshold:g}-point 95% interval needs; "
+            f"seeds its measured sd says a ±{spec.target_half_width:g}-point 95% interval needs; "
             "tokens processed as a share of the budget and replica-steps with a stage down, means "
             "over seeds.", ""]
     rows = []
@@ -293,11 +293,11 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         rows.append([ARM_LABEL[key.arm], key.strategy, _variant(key), f"{key.p:g}", n_text,
                      "not run yet" if s.mean is None else f"{s.mean:+.2f}%",
                      _ci(s) if s.n != 1 else "n=1, no interval", _num(s.half),
-                     _seeds_for_target(s, spec.resolve_threshold),
+                     _seeds_for_target(s, spec.target_half_width),
                      "-" if share is None else f"{100 * share:.1f}%",
                      "-" if down is None else f"{100 * down:.1f}%"])
     out += _table(["arm", "strategy", "variant", "p", "n", "mean", "95% CI", "half-width",
-                   f"seeds for ±{spec.resolve_threshold:g}", "tokens processed",
+                   f"seeds for ±{spec.target_half_width:g}", "tokens processed",
                    "replica-steps down"], rows)
     out.append("")
 
@@ -327,7 +327,7 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     from crucible.alignment_study import alignment_section
 
     out += alignment_section(data, ARM_LABEL, img.get("alignment"))
-    if spec.scale:
+    if spec.files.scale:
         from crucible.scale import scale_section
 
         out += scale_section(data, ARM_LABEL)
@@ -367,7 +367,7 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     # Cannot resolve
     out += ["## What the measurement cannot resolve", ""]
     wide = [(key, s) for key in data.grid() for s in [data.stat(key)]
-            if s.half is not None and round(s.half, 2) > spec.resolve_threshold]
+            if s.half is not None and round(s.half, 2) > spec.target_half_width]
     one = [key for key in data.grid() if data.stat(key).n == 1]
     if resolvable is None:
         out.append("- No cell has two seeds yet, so no interval and no noise floor exist.")
@@ -386,11 +386,11 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         out.append(f"- Halving these widths takes about four times the seeds ({4 * n_seeds} "
                    f"instead of {n_seeds}).")
     if wide:
-        out.append(f"- Cells whose half-width exceeds {spec.resolve_threshold:g} points "
+        out.append(f"- Cells whose half-width exceeds {spec.target_half_width:g} points "
                    f"({len(wide)}): " + "; ".join(
                        f"{_cell_name(k)} ±{s.half:.2f}" for k, s in wide) + ".")
     elif resolvable is not None:
-        out.append(f"- No cell's half-width exceeds {spec.resolve_threshold:g} points.")
+        out.append(f"- No cell's half-width exceeds {spec.target_half_width:g} points.")
     if one:
         out.append(f"- Cells with one seed, no interval ({len(one)}): "
                    + ", ".join(_cell_name(k) for k in one) + ".")
@@ -429,12 +429,12 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
     labelled = {}
     for block in data.spec.blocks:
         if block.label:
-            labelled[block.label] = block.sets
+            labelled[block.label] = tuple(block.overrides)
     if labelled:
         from crucible.config import apply_overrides
         from crucible.presets import get_preset
 
-        base = apply_overrides(get_preset(data.spec.preset), list(data.spec.sets)).to_dict()
+        base = apply_overrides(get_preset(data.spec.preset), list(data.spec.common_overrides())).to_dict()
         varied = sorted({item.split("=", 1)[0].strip() for sets in labelled.values()
                          for item in sets})
         defaults = []
@@ -450,13 +450,13 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
     return out
 
 
-def table_files(spec: Spec) -> dict[str, Path]:
+def table_files(spec: SweepSpec) -> dict[str, Path]:
     """Table 1 for a paper (crucible.paper), beside the document."""
     folder = spec.document.parent / "tables"
     return {"csv": folder / f"{spec.name}-table1.csv", "tex": folder / f"{spec.name}-table1.tex"}
 
 
-def _rendered(spec: Spec, data: StudyData) -> dict[Path, str]:
+def _rendered(spec: SweepSpec, data: StudyData) -> dict[Path, str]:
     """Every text file the data render: the document and Table 1 as CSV and LaTeX."""
     from crucible.paper import table1_csv, table1_latex
 
@@ -465,7 +465,7 @@ def _rendered(spec: Spec, data: StudyData) -> dict[Path, str]:
             tables["tex"]: table1_latex(data)}
 
 
-def render(spec: Spec, *, check: bool = False, figures: bool = True,
+def render(spec: SweepSpec, *, check: bool = False, figures: bool = True,
            echo: Callable[[str], None] = print) -> int:
     """Render (or, with `check`, compare) the document and its tables; returns the exit code."""
     data = StudyData(spec, load_results(spec))

@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from crucible.names import ARM_LABEL, ARMS
+from crucible.spec import GridKey, SweepSpec
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
 from crucible.study.data import StudyData
-from crucible.study.spec import FigureError, GridKey, Spec
+from crucible.study.spec import FigureError
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
 
 
-def figure_files(spec: Spec) -> dict[str, Path]:
+def figure_files(spec: SweepSpec) -> dict[str, Path]:
     return {"figure3": spec.figures_dir / f"{spec.name}-figure3.png",
             "extras": spec.figures_dir / f"{spec.name}-extras.png",
             "alignment": spec.figures_dir / f"{spec.name}-alignment.png"}

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from crucible.names import ARM_LABEL
+from crucible.spec import GridKey
 from crucible.stats import (
     AGREES,
     DISAGREES,
@@ -18,7 +19,6 @@ from crucible.stats import (
     Stat,
     seeds_for_half_width,
 )
-from crucible.study.spec import GridKey
 
 
 def _pct(s: Stat, unit: str = "%") -> str:

@@ -20,15 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crucible.study.spec import (
-    Cell,
-    Spec,
-    StudyError,
-    completed_cells,
-    expand_cells,
-    load_spec,
-    result_path,
-)
+from crucible.spec import Cell, SweepSpec, expand_cells
+from crucible.study.spec import StudyError, completed_cells, load_spec, result_path
 from crucible.summary import write_json_atomic
 
 MAX_RESULT_BYTES = 50_000
@@ -60,7 +53,7 @@ def cpu_model(description: str | None = None) -> str | None:
     return None
 
 
-def check_same_cpu(spec: Spec, results: Mapping[str, Mapping[str, Any]] | None = None, *,
+def check_same_cpu(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]] | None = None, *,
                    here: str | None = None) -> None:
     """Refuse (StudyError) to add runs made on this CPU model to results made on another.
     Training is chaotic, and two CPUs' kernels round differently (an AMD EPYC's AVX2 paths
@@ -123,7 +116,7 @@ def portable(summary: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def keep_result(spec: Spec, cell: Cell, summary: dict[str, Any], *, jobs: int) -> Path:
+def keep_result(spec: SweepSpec, cell: Cell, summary: dict[str, Any], *, jobs: int) -> Path:
     """Copy a finished run's summary, `portable`, into the results folder (write, then
     rename)."""
     kept, dropped = slim_summary(portable(summary))
@@ -145,7 +138,7 @@ def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def adopt_results(spec: Spec, cells: Iterable[Cell], *, write: bool = True) -> dict[str, str]:
+def adopt_results(spec: SweepSpec, cells: Iterable[Cell], *, write: bool = True) -> dict[str, str]:
     """Cells of `spec` that a `reuse` spec already ran with the same configuration: copied into
     the results folder (marked `study.reused_from`) instead of run again. Returns {cell id:
     source spec name}. The configurations are compared whole (`comparable_config`), the
@@ -153,13 +146,13 @@ def adopt_results(spec: Spec, cells: Iterable[Cell], *, write: bool = True) -> d
     from crucible.config import apply_overrides
     from crucible.presets import get_preset
 
-    if not spec.reuse:
+    if not spec.files.reuse:
         return {}
-    sources = [load_spec(path) for path in spec.reuse]
+    sources = [load_spec(path) for path in spec.files.reuse]
     base = get_preset(spec.preset)
     adopted: dict[str, str] = {}
     for cell in cells:
-        wanted = comparable_config(apply_overrides(base, cell.overrides()).to_dict())
+        wanted = comparable_config(apply_overrides(base, cell.overrides(spec)).to_dict())
         for source in sources:
             path = source.results_dir / f"{cell.id}.json"
             if not path.is_file():
@@ -181,11 +174,11 @@ def adopt_results(spec: Spec, cells: Iterable[Cell], *, write: bool = True) -> d
     return adopted
 
 
-def run_command(spec: Spec, cell: Cell) -> list[str]:
+def run_command(spec: SweepSpec, cell: Cell) -> list[str]:
     """The `crucible run` command of a cell (as argv, through this Python)."""
     argv = [sys.executable, "-c", "from crucible.cli import main; main()", "run",
             "--preset", spec.preset, "--no-progress"]
-    for item in cell.overrides():
+    for item in cell.overrides(spec):
         argv += ["--set", item]
     # a cell not in the results starts afresh: --overwrite drops what an interrupted attempt
     # left in its folder, which `crucible run` would otherwise refuse (or mix into)
@@ -215,10 +208,10 @@ class RunOutcome:
     interrupted: bool = False
 
 
-def run_study(spec: Spec, *, jobs: int = 2, seeds: Sequence[int] | None = None,
+def run_study(spec: SweepSpec, *, jobs: int = 2, seeds: Sequence[int] | None = None,
               limit: int | None = None, dry_run: bool = False,
               echo: Callable[[str], None] = print,
-              command: Callable[[Spec, Cell], list[str]] | None = None,
+              command: Callable[[SweepSpec, Cell], list[str]] | None = None,
               poll_s: float = 0.5) -> RunOutcome:
     """Run the spec's missing cells, `jobs` at a time; see the module docstring. `command`
     builds a cell's argv (default `run_command`). A failed run is reported and the others go
@@ -338,7 +331,7 @@ def _expect(summary: Mapping[str, Any], cell: Cell, path: Path) -> None:
                          "again")
 
 
-def load_results(spec: Spec) -> dict[str, dict[str, Any]]:
+def load_results(spec: SweepSpec) -> dict[str, dict[str, Any]]:
     """The result files of the spec's cells, by cell id (other files are ignored)."""
     found: dict[str, dict[str, Any]] = {}
     for cell in expand_cells(spec):

@@ -22,9 +22,9 @@ from prefect.states import Cancelling
 
 import crucible.train
 from crucible.reporting import ApiClient
+from crucible.spec import SweepSpec
 from flows.gpu import gpu_limit_name, gpu_slot, slot_holders
 from flows.run_flow import train_run
-from flows.spec import SweepSpec
 from flows.sweep_flow import failure_sweep
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from prefect.client.schemas.filters import (
 )
 
 from crucible.reporting import ApiClient
-from flows.spec import SweepSpec
+from crucible.spec import SweepSpec
 from flows.sweep_flow import cell_run_name, failure_sweep
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from crucible.reporting import ApiClient
-from flows.spec import SweepSpec
+from crucible.spec import SweepSpec
 from flows.sweep_flow import failure_sweep
 
 pytestmark = pytest.mark.integration

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from crucible import stats, study
+from crucible.spec import expand_cells
 from tests.integration.test_registry_api import _config
 
 pytestmark = pytest.mark.integration
@@ -87,11 +88,11 @@ def test_rest_claims_agree_with_the_committed_study_document(registry):
     claims equal the study's, and every comparison's line in docs/RESULTS-d64.md shows REST's
     interval, seeds and status."""
     spec, results = _committed_study()
-    cells = {c.id: c for c in study.expand_cells(spec)}
+    cells = {c.id: c for c in expand_cells(spec)}
     sweep = registry.post(f"{V1}/sweeps", json={
         "name": "table1-in-registry", "spec": {"close_margin": spec.close_margin,
                                                "equivalence_margin": spec.equivalence_margin,
-                                               "target_half_width": spec.resolve_threshold}}
+                                               "target_half_width": spec.target_half_width}}
                           ).json()
     posted = 0
     for cell_id, summary in sorted(results.items()):

@@ -13,7 +13,33 @@ def _crucible(*args, cwd=None):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
-@pytest.mark.parametrize("compression", ["none", "ssn", "mapl"])
+def _crucible_here(*args, cwd=None, env=None):
+    """`crucible ARGS` in this process (the same app `main()` runs, its packages registered),
+    for commands that end before they train: the same exit code, stdout and stderr as
+    `_crucible` without a new interpreter importing torch (about 3 s a call). Exceptions are
+    not caught, so a traceback fails the test as it would reach the user."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from crucible.cli import _register_packages, app
+
+    _register_packages()
+    before = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        result = CliRunner().invoke(app, [str(a) for a in args], env=env,
+                                    catch_exceptions=False)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout,
+                                       result.stderr)
+
+
+# one codec in `make test`, the other two in the slow lane (each trains ~10 s in a new process)
+@pytest.mark.parametrize("compression", [pytest.param("none", marks=pytest.mark.slow), "ssn",
+                                         pytest.param("mapl", marks=pytest.mark.slow)])
 def test_smoke_run_learns_with_every_codec(tmp_path, compression):
     done = _crucible("run", "--preset", "smoke", "--set", f"pipeline.compression={compression}",
                      "--out", str(tmp_path), "--no-progress")
@@ -39,14 +65,14 @@ def test_smoke_run_learns_with_every_codec(tmp_path, compression):
     ("faults.p=1.5", "faults.p must be a probability in [0, 1]"),
 ])
 def test_bad_set_exits_2_naming_the_key(tmp_path, override, needle):
-    done = _crucible("run", "--preset", "smoke", "--set", override, "--out", str(tmp_path))
+    done = _crucible_here("run", "--preset", "smoke", "--set", override, "--out", str(tmp_path))
     assert done.returncode == 2
     assert needle in done.stderr
     assert not (tmp_path / "summary.json").exists()
 
 
 def test_presets_lists_every_preset():
-    done = _crucible("presets", "--json")
+    done = _crucible_here("presets", "--json")
     assert done.returncode == 0, done.stderr
     names = [row["name"] for row in json.loads(done.stdout)]
     assert names == ["smoke", "small", "study", "study-d128", "paper-178m"]
@@ -161,7 +187,7 @@ def test_value_that_cannot_run_exits_2_with_one_line_and_writes_nothing(tmp_path
                                                                         needles):
     out = tmp_path / "out"
     args = [item for o in overrides for item in ("--set", o)]
-    done = _crucible("run", "--preset", "smoke", *args, "--out", str(out), "--no-progress")
+    done = _crucible_here("run", "--preset", "smoke", *args, "--out", str(out), "--no-progress")
     assert done.returncode == 2
     line = _one_error_line(done)
     for needle in needles:
@@ -174,7 +200,7 @@ def test_cuda_device_without_a_gpu_exits_2(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
-    done = _crucible("run", "--preset", "smoke", "--set", "train.device=cuda", "--out",
+    done = _crucible_here("run", "--preset", "smoke", "--set", "train.device=cuda", "--out",
                      str(tmp_path / "out"))
     assert done.returncode == 2
     assert "train.device=cuda but no CUDA device is available" in _one_error_line(done)
@@ -183,7 +209,7 @@ def test_cuda_device_without_a_gpu_exits_2(tmp_path):
 def test_file_store_that_cannot_be_a_folder_exits_2(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    done = _crucible("run", "--preset", "smoke", "--set", f"store.url={blocker.as_uri()}",
+    done = _crucible_here("run", "--preset", "smoke", "--set", f"store.url={blocker.as_uri()}",
                      "--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert f"store.url='{blocker}' is a file, not a folder" in _one_error_line(done)
@@ -198,12 +224,13 @@ def test_file_store_that_cannot_be_a_folder_exits_2(tmp_path):
 def test_bad_out_path_exits_2_naming_it(tmp_path, where, needle):
     (tmp_path / "a-file").write_text("not a folder")
     out = where if where.startswith("/") else str(tmp_path / where)
-    done = _crucible("run", "--preset", "smoke", "--out", out)
+    done = _crucible_here("run", "--preset", "smoke", "--out", out)
     assert done.returncode == 2
     line = _one_error_line(done)
     assert f"--out='{out}'" in line and needle in line
 
 
+@pytest.mark.slow   # ~9 s: a new process, then the store's connection attempts time out
 def test_unreachable_s3_endpoint_is_one_line_naming_it_and_resume(tmp_path, monkeypatch):
     import socket
 
@@ -225,6 +252,7 @@ def test_unreachable_s3_endpoint_is_one_line_naming_it_and_resume(tmp_path, monk
     assert not (out / "summary.json").exists()
 
 
+@pytest.mark.slow   # trains in new processes (10-20 s)
 def test_unusable_checkpoints_on_resume_are_one_line_exit_2(tmp_path):
     out = tmp_path / "out"
     first = _crucible("run", "--preset", "smoke", "--set", "train.global_steps=4",
@@ -248,7 +276,7 @@ def test_run_key_from_an_edited_run_json_is_refused_on_resume(tmp_path):
     out.mkdir()
     (out / "run.json").write_text(json.dumps({"run_key": "../../etc",
                                               "store_url": (out / "store").as_uri()}))
-    done = _crucible("run", "--preset", "smoke", "--out", str(out), "--resume", "--no-progress")
+    done = _crucible_here("run", "--preset", "smoke", "--out", str(out), "--resume", "--no-progress")
     assert done.returncode == 2
     line = _one_error_line(done)
     assert "run_key in" in line and "'../../etc' is not a valid id" in line
@@ -266,7 +294,7 @@ def test_run_key_from_an_edited_run_json_is_refused_on_resume(tmp_path):
 def test_sweep_refuses_what_cannot_run_before_starting(tmp_path, args, needle):
     (tmp_path / "a-file").write_text("not a folder")
     args = [a.format(tmp=tmp_path) for a in args]
-    done = _crucible("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1", *args)
+    done = _crucible_here("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1", *args)
     assert done.returncode == 2
     assert needle.format(tmp=tmp_path) in _one_error_line(done)
     assert "Starting temporary server" not in done.stdout + done.stderr   # nothing started
@@ -278,7 +306,7 @@ def test_study_refuses_cells_this_machine_cannot_run_before_starting(tmp_path):
     spec.write_text('name = "big"\npreset = "smoke"\nseeds = [0]\n'
                     'set = ["replicas=100000", "data.allow_repeat=true"]\n'
                     '[[grid]]\narms = ["ssn"]\nstrategies = ["skip"]\np = [0.1]\n')
-    done = _crucible("study", "run", str(spec))
+    done = _crucible_here("study", "run", str(spec))
     assert done.returncode == 2
     line = _one_error_line(done)
     assert "not enough memory" in line and "replicas" in line
@@ -313,6 +341,7 @@ def test_rerun_into_a_finished_run_folder_exits_2_and_leaves_it_untouched(tmp_pa
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow   # trains in new processes (10-20 s)
 def test_overwrite_leaves_only_the_new_runs_records_and_unrelated_files(tmp_path):
     out, clean = tmp_path / "out", tmp_path / "clean"
     _faulty_run(out)
@@ -332,6 +361,7 @@ def test_overwrite_leaves_only_the_new_runs_records_and_unrelated_files(tmp_path
     assert (out / "data" / "shard.bin").read_bytes() == b"\x01"
 
 
+@pytest.mark.slow   # trains in new processes (10-20 s)
 def test_default_out_is_a_new_folder_per_run(tmp_path):
     printed = ""
     for _ in range(2):
@@ -348,6 +378,7 @@ def test_default_out_is_a_new_folder_per_run(tmp_path):
     assert _records(folders[0]) == _records(folders[1])
 
 
+@pytest.mark.slow   # trains in new processes (10-20 s)
 @pytest.mark.parametrize("checkpoint", [True, False])
 def test_resume_with_another_configuration_exits_2(tmp_path, checkpoint):
     out = tmp_path / "out"
@@ -372,7 +403,7 @@ def test_resume_with_another_configuration_exits_2(tmp_path, checkpoint):
     (["--resume"], "--resume needs --out"),
 ])
 def test_resume_needs_a_folder_and_no_overwrite(tmp_path, args, needle):
-    done = _crucible("run", *_SHORT, *[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    done = _crucible_here("run", *_SHORT, *[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
     assert done.returncode == 2
     assert needle in _one_error_line(done)
     assert list(tmp_path.iterdir()) == []
@@ -410,14 +441,17 @@ def _nothing_listens() -> str:
 def test_run_refuses_a_registry_it_cannot_use_before_training(tmp_path, args, env, needle):
     down = _nothing_listens()
     out = tmp_path / "out"
-    done = _crucible_with({k: v.format(down=down) for k, v in env.items()}, "run", *_SHORT,
-                          "--out", str(out), *[a.format(down=down) for a in args], cwd=tmp_path)
+    changes = {"CRUCIBLE_API_URL": None, "CRUCIBLE_API_TOKEN": None,
+               **{k: v.format(down=down) for k, v in env.items()}}
+    done = _crucible_here("run", *_SHORT, "--out", str(out),
+                          *[a.format(down=down) for a in args], cwd=tmp_path, env=changes)
     assert done.returncode == 2
     line = _one_error_line(done)
     assert needle.format(down=down) in line
     assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow   # trains in new processes (10-20 s)
 def test_no_api_trains_without_the_registry_named_in_the_environment(tmp_path):
     out = tmp_path / "out"
     done = _crucible_with({"CRUCIBLE_API_URL": _nothing_listens()}, "run", *_SHORT, "--out",
@@ -431,7 +465,7 @@ def test_no_api_trains_without_the_registry_named_in_the_environment(tmp_path):
     (["--note", "n" * 10_001], "--note: String should have at most 10000 characters"),
 ])
 def test_sweep_refuses_a_bad_tag_or_note_naming_the_option(tmp_path, args, needle):
-    done = _crucible("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1",
+    done = _crucible_here("sweep", "--arm", "ssn", "--strategy", "skip", "--p", "0.1",
                      "--work-dir", str(tmp_path / "work"), *args)
     assert done.returncode == 2
     assert needle in _one_error_line(done)
@@ -441,10 +475,10 @@ def test_sweep_refuses_a_bad_tag_or_note_naming_the_option(tmp_path, args, needl
 def test_launch_is_a_crucible_command_with_clear_errors(tmp_path):
     """`crucible launch` (the distributed mode) is wired into the CLI: its own help, and bad
     input is exit 2 naming the option, before any process starts."""
-    helped = _crucible("launch", "--help")
+    helped = _crucible_here("launch", "--help")
     assert helped.returncode == 0 and "--kill-forever" in helped.stdout
-    bad = _crucible("launch", "--nproc", "0", "--out", str(tmp_path / "d"))
+    bad = _crucible_here("launch", "--nproc", "0", "--out", str(tmp_path / "d"))
     assert bad.returncode == 2 and "--nproc must be >= 1" in bad.stderr
     assert not (tmp_path / "d").exists()
-    kill = _crucible("launch", "--nproc", "2", "--kill", "x@1", "--out", str(tmp_path / "d"))
+    kill = _crucible_here("launch", "--nproc", "2", "--kill", "x@1", "--out", str(tmp_path / "d"))
     assert kill.returncode == 2 and "--kill 'x@1'" in kill.stderr

@@ -156,7 +156,7 @@ def test_seeds_wanted_reads_widths_never_means():
 
 
 def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
-    from flows.spec import SweepSpec
+    from crucible.spec import SweepSpec
     from flows.sweep_flow import extra_cells
 
     spec = SweepSpec(preset="smoke", arms=["ssn"], strategies=["skip", "drop"],

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from crucible import stats, study
 from crucible.config import apply_overrides
 from crucible.presets import get_preset
+from crucible.spec import Cell, GridKey, SweepSpec, expand_cells
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
@@ -53,10 +54,14 @@ def write_spec(root: Path, text: str = GRID, name: str = "t.toml") -> Path:
     return path
 
 
-def fake_summary(cell: study.Cell, loss: float, *, sha: str = "abc123def4567890",
+_STUDY = SweepSpec(duration=None)   # a spec that adds nothing to its cells' own settings
+
+
+def fake_summary(cell: Cell, loss: float, *, spec: SweepSpec = _STUDY,
+                 sha: str = "abc123def4567890",
                  wall_s: float = 60.0) -> dict:
     """A summary with the fields render reads, its config built as `crucible run` would."""
-    config = apply_overrides(get_preset("smoke"), cell.overrides()).to_dict()
+    config = apply_overrides(get_preset("smoke"), cell.overrides(spec)).to_dict()
     budget = 1000
     return {"config": config, "seed": cell.seed, "final_val_loss": loss,
             "initial_val_loss": 5.5, "tokens_budget": budget,
@@ -65,14 +70,14 @@ def fake_summary(cell: study.Cell, loss: float, *, sha: str = "abc123def4567890"
             "versions": {"git_sha": sha}, "study": {"machine": "x86_64, 2 CPUs"}}
 
 
-def fill(spec: study.Spec, degradations: dict[str, list[float]], *, base: float = 2.0,
+def fill(spec: SweepSpec, degradations: dict[str, list[float]], *, base: float = 2.0,
          seeds: tuple[int, ...] | None = None) -> None:
     """Write result files: every baseline of the listed arms at loss `base`, and each cell
     named by its seedless id (e.g. 'ssn-skip-p0.1') at base * (1 + d / 100) per seed."""
     seeds = seeds or spec.seeds
     wanted = {name: values for name, values in degradations.items()}
     arms = {name.split("-")[0] for name in wanted}
-    for cell in study.expand_cells(spec, seeds):
+    for cell in expand_cells(spec, seeds):
         if cell.key.is_baseline and cell.key.arm in arms:
             loss = base
         elif cell.key.name in wanted:
@@ -85,11 +90,11 @@ def fill(spec: study.Spec, degradations: dict[str, list[float]], *, base: float 
             continue
         path = study.result_path(spec, cell)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fake_summary(cell, loss)))
+        path.write_text(json.dumps(fake_summary(cell, loss, spec=spec)))
 
 
 @pytest.fixture
-def spec(tmp_path: Path) -> study.Spec:
+def spec(tmp_path: Path) -> SweepSpec:
     return study.load_spec(write_spec(tmp_path))
 
 
@@ -111,8 +116,8 @@ def cli_app() -> typer.Typer:
 def test_committed_spec_parses_into_the_issue_grid() -> None:
     spec = study.load_spec(REPO / "studies" / "table1.toml")
     assert spec.name == "table1" and spec.preset == "study"
-    assert len(spec.seeds) >= 5 and spec.seeds == tuple(range(len(spec.seeds)))   # the issue: >= 5
-    cells = study.expand_cells(spec)
+    assert len(spec.seeds) >= 5 and spec.seeds == list(range(len(spec.seeds)))   # the issue: >= 5
+    cells = expand_cells(spec)
     keys = {c.key for c in cells}
     baselines = [k for k in keys if k.is_baseline]
     assert sorted(k.arm for k in baselines) == ["mapl", "none", "ssn"]
@@ -127,17 +132,17 @@ def test_committed_spec_parses_into_the_issue_grid() -> None:
 @pytest.mark.parametrize("text, needle", [
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n', "missing 'grid'"),
     ('name = "t"\npreset = "smok"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
-     'p=[0.1]\n', "unknown preset 'smok'; choose one of: smoke"),
+     'p=[0.1]\n', "preset: unknown preset 'smok'; allowed: smoke"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\ncolour = 1\n[[grid]]\narms=["none"]\n'
      'strategies=["skip"]\np=[0.1]\n', "unknown key 'colour'"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["zip"]\nstrategies=["skip"]\n'
-     'p=[0.1]\n', "grid[0].arms: unknown value 'zip'; choose from none, ssn, mapl"),
+     'p=[0.1]\n', "grid[0].arms: unknown arm 'zip'; allowed: none, ssn, mapl"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["jump"]\n'
-     'p=[0.1]\n', "grid[0].strategies: unknown value 'jump'"),
+     'p=[0.1]\n', "grid[0].strategies: unknown strategy 'jump'"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
      'p=[1.5]\n', "grid[0].p: 1.5 is not a probability in [0, 1]"),
     ('name = "t"\npreset = "smoke"\nseeds = "all"\n[[grid]]\narms=["none"]\n'
-     'strategies=["skip"]\np=[0.1]\n', "seeds must be a non-empty list of integers"),
+     'strategies=["skip"]\np=[0.1]\n', "seeds: Input should be a valid list; e.g. seeds = [0, 1"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
      'p=[0.1]\nset=["pipeline.bypass_decode=sideways"]\n',
      "grid[0]: cell none-skip-p0.1-bypass_decode_sideways-s0: pipeline.bypass_decode"),
@@ -146,9 +151,9 @@ def test_committed_spec_parses_into_the_issue_grid() -> None:
     ('name = "t"\npreset = "smoke"\nseeds = [0]\nset = ["model.widht=3"]\n[[grid]]\n'
      'arms=["none"]\nstrategies=["skip"]\np=[0.1]\n', "unknown key 'model.widht'"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
-     'p=[0.1]\nlabel="Bad Label"\nset=["pipeline.bypass_decode=sender"]\n', "grid[0].label must be lower-case"),
+     'p=[0.1]\nlabel="Bad Label"\nset=["pipeline.bypass_decode=sender"]\n', "grid[0].label: must be lower-case"),
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
-     'p=[0.1]\ncolour=1\n', "grid[0]: unknown key 'colour'"),
+     'p=[0.1]\ncolour=1\n', "grid[0]: unknown key 'colour'; a grid block takes arms"),
     ('name = "t" = 1\n', "is not valid TOML"),
     # a block may not change what its shared p = 0 baseline trains
     ('name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\narms=["none"]\nstrategies=["skip"]\n'
@@ -196,7 +201,7 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path, args: list[str]
     assert "Traceback" not in result.output
 
 
-def test_cli_bad_options_exit_2(spec: study.Spec) -> None:
+def test_cli_bad_options_exit_2(spec: SweepSpec) -> None:
     for args, needle in ([["--seeds", "7"], "choose from the spec's seeds 0,1,2"],
                          [["--seeds", "a,b"], "--seeds must be comma-separated integers"],
                          [["--jobs", "0"], "--jobs must be >= 1"]):
@@ -211,7 +216,7 @@ def test_real_cli_reports_a_bad_spec_with_exit_2(tmp_path: Path) -> None:
     done = subprocess.run([*CLI, "study", "run", str(path), "--dry-run"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert "grid[0].p: 2 is not a probability in [0, 1]" in done.stderr
+    assert "grid[0].p: 2.0 is not a probability in [0, 1]" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -219,8 +224,8 @@ def test_real_cli_reports_a_bad_spec_with_exit_2(tmp_path: Path) -> None:
 # cells
 # ---------------------------------------------------------------------------------------------
 
-def test_cell_ids_are_stable_and_baselines_shared(spec: study.Spec) -> None:
-    cells = study.expand_cells(spec)
+def test_cell_ids_are_stable_and_baselines_shared(spec: SweepSpec) -> None:
+    cells = expand_cells(spec)
     ids = [c.id for c in cells]
     assert len(ids) == len(set(ids))
     for expected in ("none-base-s0", "mapl-skip-p0.2-s2", "ssn-drop-p0.05-s1",
@@ -234,15 +239,15 @@ def test_cell_ids_are_stable_and_baselines_shared(spec: study.Spec) -> None:
     assert len(cells) == 3 * (3 + 3 * 2 * 3 + 1 + 1)
     # baselines use the arm's default config (no block overrides)
     base = next(c for c in cells if c.id == "mapl-base-s1")
-    assert base.overrides() == ["seed=1", "pipeline.compression=mapl", "faults.p=0",
-                                "faults.strategy=skip"]
+    assert base.overrides(spec) == ["pipeline.compression=mapl", "faults.p=0.0",
+                                    "faults.strategy=skip", "seed=1"]
     sender = next(c for c in cells if c.id == "mapl-skip-p0.2-decode_sender-s1")
-    assert sender.overrides()[0] == "pipeline.bypass_decode=sender"
-    assert "faults.p=0.2" in sender.overrides()
+    assert sender.overrides(spec)[0] == "pipeline.bypass_decode=sender"
+    assert "faults.p=0.2" in sender.overrides(spec)
 
 
-def test_run_order_baselines_then_core_cells_seed_major(spec: study.Spec) -> None:
-    cells = study.expand_cells(spec)
+def test_run_order_baselines_then_core_cells_seed_major(spec: SweepSpec) -> None:
+    cells = expand_cells(spec)
     tiers = [c.tier for c in cells]
     assert tiers == sorted(tiers)
     assert all(c.key.is_baseline for c in cells[:9])
@@ -257,13 +262,13 @@ def test_derived_label_without_explicit_label(tmp_path: Path) -> None:
     path = write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\n'
                                 'arms=["mapl"]\nstrategies=["skip"]\np=[0.2]\n'
                                 'set=["pipeline.bypass_decode=receiver"]\n')
-    ids = [c.id for c in study.expand_cells(study.load_spec(path))]
+    ids = [c.id for c in expand_cells(study.load_spec(path))]
     assert ids == ["mapl-base-s0", "mapl-skip-p0.2-bypass_decode_receiver-s0"]
 
 
-def test_completed_cells_are_skipped(spec: study.Spec) -> None:
+def test_completed_cells_are_skipped(spec: SweepSpec) -> None:
     fill(spec, {"ssn-skip-p0.1": [0.5, 0.6]})
-    cells = study.expand_cells(spec)
+    cells = expand_cells(spec)
     done, todo = study.completed_cells(spec, cells)
     assert {c.id for c in done} == {"ssn-base-s0", "ssn-base-s1", "ssn-base-s2",
                                     "ssn-skip-p0.1-s0", "ssn-skip-p0.1-s1"}
@@ -283,7 +288,7 @@ args = sys.argv[1:]
 out = Path(args[args.index('--out') + 1])
 pairs = [args[i + 1] for i, a in enumerate(args) if a == '--set']
 sets = dict(p.split('=', 1) for p in pairs)
-if sets['pipeline.compression'] == 'mapl' and sets['faults.p'] != '0':
+if sets['pipeline.compression'] == 'mapl' and float(sets['faults.p']) != 0:
     print('error: boom', file=sys.stderr); sys.exit(1)
 cfg = {'pipeline': {'compression': sets['pipeline.compression']},
        'faults': {'p': float(sets['faults.p']), 'strategy': sets['faults.strategy']},
@@ -299,7 +304,7 @@ def test_runner_copies_results_reports_failures_and_skips_on_rerun(tmp_path: Pat
                                 'arms=["none", "mapl"]\nstrategies=["skip"]\np=[0.1]\n')
     spec = study.load_spec(path)
 
-    def command(spec: study.Spec, cell: study.Cell) -> list[str]:
+    def command(spec: SweepSpec, cell: Cell) -> list[str]:
         return [sys.executable, "-c", _FAKE_RUN, *study.run_command(spec, cell)[4:]]
 
     lines: list[str] = []
@@ -345,10 +350,10 @@ def test_slim_summary_keeps_small_summaries_whole() -> None:
 # statistics
 # ---------------------------------------------------------------------------------------------
 
-def test_statistics_against_hand_computed_values(spec: study.Spec) -> None:
+def test_statistics_against_hand_computed_values(spec: SweepSpec) -> None:
     fill(spec, {"ssn-skip-p0.1": [1.0, 2.0, 3.0], "ssn-drop-p0.1": [4.0, 6.0, 5.0]})
     data = study.StudyData(spec, study.load_results(spec))
-    s = data.stat(study.GridKey("ssn", "skip", 0.1))
+    s = data.stat(GridKey("ssn", "skip", 0.1))
     # mean 2, sd 1, t(0.975, 2) = 4.302653 -> half-width 4.302653 / sqrt(3) = 2.484138
     assert s.n == 3 and s.seeds == (0, 1, 2)
     assert s.mean == pytest.approx(2.0)
@@ -363,31 +368,31 @@ def test_statistics_against_hand_computed_values(spec: study.Spec) -> None:
     # relative degradation is against the same seed's baseline: give seeds 1 and 2 baselines of
     # their own (seed 0 keeps 2.0); the cell's losses stay 2.0 * (1 + d / 100) = 2.02, 2.04, 2.06
     for seed, base_loss in ((1, 2.5), (2, 1.6)):
-        [cell] = [c for c in study.expand_cells(spec)
-                  if c.key == study.GridKey("ssn", "base", 0.0) and c.seed == seed]
-        study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, base_loss)))
+        [cell] = [c for c in expand_cells(spec)
+                  if c.key == GridKey("ssn", "base", 0.0) and c.seed == seed]
+        study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, base_loss, spec=spec)))
     rebased = study.StudyData(spec, study.load_results(spec))
-    skip = study.GridKey("ssn", "skip", 0.1)
+    skip = GridKey("ssn", "skip", 0.1)
     # by hand: 100 (2.02 - 2.0) / 2.0 = 1.0, 100 (2.04 - 2.5) / 2.5 = -18.4,
     # 100 (2.06 - 1.6) / 1.6 = 28.75 (against seed 0's 2.0 every seed would read 1, 2, 3 again)
     assert rebased.degradation(skip) == pytest.approx({0: 1.0, 1: -18.4, 2: 28.75})
     assert rebased.stat(skip).mean == pytest.approx((1.0 - 18.4 + 28.75) / 3)
-    assert rebased.degradation(study.GridKey("ssn", "base", 0.0)) == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert rebased.degradation(GridKey("ssn", "base", 0.0)) == {0: 0.0, 1: 0.0, 2: 0.0}
 
 
-def test_one_seed_has_no_interval_and_missing_cells_are_counted(spec: study.Spec) -> None:
+def test_one_seed_has_no_interval_and_missing_cells_are_counted(spec: SweepSpec) -> None:
     fill(spec, {"none-skip-p0.1": [0.7]})
     data = study.StudyData(spec, study.load_results(spec))
-    s = data.stat(study.GridKey("none", "skip", 0.1))
+    s = data.stat(GridKey("none", "skip", 0.1))
     assert s.n == 1 and s.lo is None and s.half is None and s.sd is None
     text = study.render_markdown(data)
     assert "+0.70% (n=1, no interval)" in text
     assert "not run yet" in text
     missing, expected = study._missing_count(data)
-    assert expected == len(study.expand_cells(spec)) and missing == expected - 4
+    assert expected == len(expand_cells(spec)) and missing == expected - 4
 
 
-def test_growth_slope_per_seed(spec: study.Spec) -> None:
+def test_growth_slope_per_seed(spec: SweepSpec) -> None:
     # d = 10 p per seed plus a seed offset at every p: slopes 1.0 per 0.1 of p... computed by hand
     fill(spec, {"none-skip-p0.05": [0.5, 0.6, 0.4], "none-skip-p0.1": [1.0, 1.1, 0.9],
                 "none-skip-p0.2": [2.0, 2.1, 1.9]})
@@ -403,7 +408,7 @@ def test_growth_slope_per_seed(spec: study.Spec) -> None:
         assert s.values[seed] == pytest.approx(0.1 * slope)
 
 
-def test_growth_claim_does_not_read_a_fall_as_growth(spec: study.Spec) -> None:
+def test_growth_claim_does_not_read_a_fall_as_growth(spec: SweepSpec) -> None:
     # positive but falling with p (the review's case): through (0, 0) this read as growth
     values = {"none-skip-p0.05": [2.0, 2.1, 1.9], "none-skip-p0.1": [2.0, 2.1, 1.9],
               "none-skip-p0.2": [1.5, 1.6, 1.4]}
@@ -413,11 +418,11 @@ def test_growth_claim_does_not_read_a_fall_as_growth(spec: study.Spec) -> None:
     assert rows[("none", "skip")].mean < 0
 
 
-def test_result_file_for_another_cell_is_refused(spec: study.Spec) -> None:
-    cells = {c.id: c for c in study.expand_cells(spec)}
+def test_result_file_for_another_cell_is_refused(spec: SweepSpec) -> None:
+    cells = {c.id: c for c in expand_cells(spec)}
     path = study.result_path(spec, cells["ssn-skip-p0.1-s0"])
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(fake_summary(cells["ssn-skip-p0.2-s0"], 2.0)))
+    path.write_text(json.dumps(fake_summary(cells["ssn-skip-p0.2-s0"], 2.0, spec=spec)))
     with pytest.raises(study.StudyError, match="not cell ssn-skip-p0.1-s0"):
         study.load_results(spec)
 
@@ -426,7 +431,7 @@ def test_result_file_for_another_cell_is_refused(spec: study.Spec) -> None:
 # claims
 # ---------------------------------------------------------------------------------------------
 
-def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
+def _claims(spec: SweepSpec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
     fill(spec, degradations)
     return {c.tag: c for c in study.StudyData(spec, study.load_results(spec)).claims()}
 
@@ -443,7 +448,7 @@ def _grid(skip: dict[str, list[float]], drop: dict[str, list[float]] | float = 3
     return out
 
 
-def test_claims_agree_on_blog_like_data(spec: study.Spec) -> None:
+def test_claims_agree_on_blog_like_data(spec: SweepSpec) -> None:
     claims = _claims(spec, _grid({"ssn": [0.30, 0.32, 0.34], "mapl": [0.45, 0.47, 0.46],
                                   "none": [0.46, 0.45, 0.48]}))
     assert claims["a"].verdict == stats.AGREES
@@ -452,7 +457,7 @@ def test_claims_agree_on_blog_like_data(spec: study.Spec) -> None:
     assert claims["d"].verdict == stats.AGREES
 
 
-def test_claims_disagree_when_the_data_say_the_opposite(spec: study.Spec) -> None:
+def test_claims_disagree_when_the_data_say_the_opposite(spec: SweepSpec) -> None:
     # skip worse than drop, degradation shrinking with p, SSN worst, MAPL far from uncompressed
     data = _grid({"ssn": [-3.0, -3.1, -3.2], "mapl": [-5.0, -5.1, -5.2],
                   "none": [-8.0, -8.1, -8.2]}, drop=-10.0)
@@ -464,7 +469,7 @@ def test_claims_disagree_when_the_data_say_the_opposite(spec: study.Spec) -> Non
     assert "not reproduced" in study._claim_sentence(claims["a"])
 
 
-def test_claims_not_resolved_when_intervals_straddle(spec: study.Spec) -> None:
+def test_claims_not_resolved_when_intervals_straddle(spec: SweepSpec) -> None:
     noisy = {"ssn": [-2.0, 1.0, 2.5], "mapl": [2.0, -1.0, 0.5], "none": [1.0, -2.0, 1.5]}
     claims = _claims(spec, _grid(noisy, drop={"ssn": [2.0, -1.5, 0.5], "mapl": [-1.0, 2.0, 0.0],
                                                "none": [0.0, 1.0, -1.5]}))
@@ -473,12 +478,12 @@ def test_claims_not_resolved_when_intervals_straddle(spec: study.Spec) -> None:
     assert "not resolved" in study._claim_sentence(claims["a"])
 
 
-def test_claims_not_run_without_two_seeds(spec: study.Spec) -> None:
+def test_claims_not_run_without_two_seeds(spec: SweepSpec) -> None:
     claims = _claims(spec, {"ssn-skip-p0.1": [0.5]})
     assert {c.verdict for c in claims.values()} == {stats.NOT_RUN}
 
 
-def test_close_margin_rule(spec: study.Spec) -> None:
+def test_close_margin_rule(spec: SweepSpec) -> None:
     margin = spec.close_margin
     inside = stats.stat_of({0: 0.1, 1: 0.2, 2: 0.15})
     outside = stats.stat_of({0: margin + 1.0, 1: margin + 1.1, 2: margin + 1.05})
@@ -492,7 +497,7 @@ def test_close_margin_rule(spec: study.Spec) -> None:
 # the document
 # ---------------------------------------------------------------------------------------------
 
-def test_render_check_passes_then_fails_after_an_edit(spec: study.Spec) -> None:
+def test_render_check_passes_then_fails_after_an_edit(spec: SweepSpec) -> None:
     fill(spec, _grid({"ssn": [0.30, 0.32, 0.34], "mapl": [0.45, 0.47, 0.46],
                       "none": [0.46, 0.45, 0.48]}))
     app = cli_app()
@@ -511,7 +516,7 @@ def test_render_check_passes_then_fails_after_an_edit(spec: study.Spec) -> None:
     assert runner.invoke(app, ["study", "render", str(spec.path), "--check"]).exit_code == 1
 
 
-def test_document_content(spec: study.Spec) -> None:
+def test_document_content(spec: SweepSpec) -> None:
     fill(spec, _grid({"ssn": [0.30, 0.32, 0.34], "mapl": [0.45, 0.47, 0.46],
                       "none": [0.46, 0.45, 0.48]}))
     text = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
@@ -534,13 +539,13 @@ def test_document_content(spec: study.Spec) -> None:
     assert "x86_64, 2 CPUs" in text
 
 
-def test_document_renders_with_no_results(spec: study.Spec) -> None:
+def test_document_renders_with_no_results(spec: SweepSpec) -> None:
     text = study.render_markdown(study.StudyData(spec, {}))
     assert "No failure cell has a result yet" in text
     assert text.count("not run yet") > 10
 
 
-def test_noise_floor_from_the_results(spec: study.Spec) -> None:
+def test_noise_floor_from_the_results(spec: SweepSpec) -> None:
     assert study.noise_floor(spec.path) is None
     fill(spec, {"ssn-skip-p0.1": [1.0, 2.0, 3.0], "ssn-skip-p0.2": [1.0, 3.0, 5.0],
                 "none-skip-p0.1": [0.0, 1.0, 2.0]})
@@ -576,7 +581,7 @@ def test_demo_table_marks_one_seed_cells(monkeypatch, capsys) -> None:
 
 
 @pytest.mark.browser
-def test_figures_render_to_png(spec: study.Spec, tmp_path: Path) -> None:
+def test_figures_render_to_png(spec: SweepSpec, tmp_path: Path) -> None:
     if not study.CHROMIUM.exists():
         pytest.skip(f"{study.CHROMIUM} is missing (make system-deps)")
     fill(spec, _grid({"ssn": [0.30, 0.32, 0.34], "mapl": [0.45, 0.47, 0.46],

@@ -11,6 +11,7 @@ import pytest
 
 from crucible import stats, study
 from crucible.names import ARM_LABEL, ARMS
+from crucible.spec import SweepSpec, expand_cells
 from crucible.stats import t_quantile
 from tests.unit.test_study import fake_summary, fill, write_spec
 
@@ -61,7 +62,7 @@ def test_seeds_to_decide_sign_and_band() -> None:
 # claim (e): the equivalence test at p = 0.01
 # ---------------------------------------------------------------------------------------------
 
-def _claims(spec: study.Spec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
+def _claims(spec: SweepSpec, degradations: dict[str, list[float]]) -> dict[str, stats.Claim]:
     fill(spec, degradations)
     data = study.StudyData(spec, study.load_results(spec))
     return {c.tag: c for c in data.claims()}
@@ -91,7 +92,7 @@ def test_claim_e_disagrees_outside_and_is_open_across_the_edge(tmp_path: Path) -
                                                                   study.load_results(spec2)))
 
 
-def test_claim_e_is_not_run_when_the_grid_lacks_p_001(spec: study.Spec) -> None:
+def test_claim_e_is_not_run_when_the_grid_lacks_p_001(spec: SweepSpec) -> None:
     fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
     data = study.StudyData(spec, study.load_results(spec))
     e = {c.tag: c for c in data.claims()}["e"]
@@ -100,7 +101,7 @@ def test_claim_e_is_not_run_when_the_grid_lacks_p_001(spec: study.Spec) -> None:
 
 
 @pytest.fixture
-def spec(tmp_path: Path) -> study.Spec:
+def spec(tmp_path: Path) -> SweepSpec:
     return study.load_spec(write_spec(tmp_path))
 
 
@@ -128,19 +129,19 @@ seeds = [0, 1, 2, 3]
 
 def test_a_block_may_run_more_seeds_and_its_arm_gets_their_baselines(tmp_path: Path) -> None:
     spec = study.load_spec(write_spec(tmp_path, BLOCK_SEEDS))
-    ids = [c.id for c in study.expand_cells(spec)]
+    ids = [c.id for c in expand_cells(spec)]
     assert spec.all_seeds == (0, 1, 2, 3)
     assert "ssn-drop-p0.2-s3" in ids and "ssn-base-s3" in ids
     assert "ssn-skip-p0.2-s3" not in ids                  # the skip block keeps the spec's seeds
     assert "none-base-s2" not in ids                      # no block of `none` runs seed 2
     assert len(ids) == len(set(ids)) == 2 * 2 + 2 * 2 + 4 + 2   # baselines, skip, drop
-    only = [c.id for c in study.expand_cells(spec, [3])]
+    only = [c.id for c in expand_cells(spec, [3])]
     assert sorted(only) == ["ssn-base-s3", "ssn-drop-p0.2-s3"]
 
 
 def test_bad_block_seeds_name_the_field(tmp_path: Path) -> None:
     path = write_spec(tmp_path, BLOCK_SEEDS.replace("seeds = [0, 1, 2, 3]", "seeds = [1, 1]"))
-    with pytest.raises(study.StudyError, match=r"grid\[1\]\.seeds lists a seed twice"):
+    with pytest.raises(study.StudyError, match=r"grid\[1\]\.seeds: lists a seed twice"):
         study.load_spec(path)
 
 
@@ -224,14 +225,14 @@ def test_token_digest_is_by_content_not_path(tmp_path: Path) -> None:
         token_digest(load_tokens(str(b), vocab_size=256))
 
 
-def _rewrite(spec: study.Spec, fn) -> None:
+def _rewrite(spec: SweepSpec, fn) -> None:
     for path in spec.results_dir.glob("*.json"):
         summary = json.loads(path.read_text())
         fn(path.stem, summary)
         path.write_text(json.dumps(summary))
 
 
-def test_a_corpus_path_alone_is_not_another_configuration(spec: study.Spec) -> None:
+def test_a_corpus_path_alone_is_not_another_configuration(spec: SweepSpec) -> None:
     fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
 
     def elsewhere(stem: str, summary: dict) -> None:
@@ -253,9 +254,9 @@ def test_a_corpus_path_alone_is_not_another_configuration(spec: study.Spec) -> N
     assert "trained on 2 different corpora" in text
 
 
-def test_kept_results_are_portable(spec: study.Spec) -> None:
-    cell = study.expand_cells(spec)[0]
-    summary = fake_summary(cell, 2.0)
+def test_kept_results_are_portable(spec: SweepSpec) -> None:
+    cell = expand_cells(spec)[0]
+    summary = fake_summary(cell, 2.0, spec=spec)
     summary["store_url"] = "file:///tmp/x/store"
     path = study.keep_result(spec, cell, summary, jobs=2)
     assert "store_url" not in json.loads(path.read_text())
@@ -463,7 +464,7 @@ def test_identical_runs_of_a_reuse_spec_are_adopted_not_rerun(tmp_path: Path) ->
 
 def test_extra_block_seeds_run_after_the_whole_grid_of_the_spec_seeds(tmp_path: Path) -> None:
     spec = study.load_spec(write_spec(tmp_path, BLOCK_SEEDS))
-    ids = [c.id for c in study.expand_cells(spec)]
+    ids = [c.id for c in expand_cells(spec)]
     first_extra = min(ids.index(i) for i in ids if i.endswith(("-s2", "-s3")))
     assert all(not i.endswith(("-s2", "-s3")) for i in ids[:first_extra])
     assert first_extra == 2 * 2 + 2 * 2 + 2          # every cell of seeds 0 and 1 first
@@ -478,7 +479,7 @@ def test_the_decided_grid_runs_the_seeds_its_pilot_asks_for() -> None:
 
     repo = Path(__file__).resolve().parents[2]
     spec = study.load_spec(repo / "studies" / "table1-d128.toml")
-    (chosen,) = [p for p in spec.pilots if p in spec.reuse]      # the preset's own pilot
+    (chosen,) = [p for p in spec.files.pilots if p in spec.files.reuse]      # the preset's own pilot
     rows = {r.arm: r for r in pilot_rows(spec) if r.pilot == study.load_spec(chosen).name}
     for block in spec.blocks:
         for arm in block.arms:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from flows.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec, expand_grid
+from crucible.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec, expand_cells
 
 
 def _error(**kwargs: object) -> str:
@@ -60,7 +60,7 @@ def test_unknown_field_is_rejected() -> None:
 def test_baselines_are_shared_by_strategies() -> None:
     spec = SweepSpec(arms=["ssn", "mapl"], strategies=["skip", "drop", "reroute"],
                      failure_probabilities=[0.0, 0.1, 0.2], seeds=[0, 1])
-    cells = expand_grid(spec)
+    cells = expand_cells(spec)
     baselines = [c for c in cells if c.is_baseline]
     faulty = [c for c in cells if not c.is_baseline]
     assert len(baselines) == 2 * 2                       # arm x seed
@@ -73,17 +73,21 @@ def test_baselines_are_shared_by_strategies() -> None:
 def test_duplicates_collapse() -> None:
     spec = SweepSpec(arms=["ssn", "ssn"], strategies=["skip", "skip"],
                      failure_probabilities=[0.1, 0.1], seeds=[3, 3])
-    assert len(expand_grid(spec)) == 2
+    assert len(expand_cells(spec)) == 2
 
 
 def test_cell_overrides_pin_the_cell_after_extras() -> None:
-    spec = SweepSpec(overrides=["faults.p=0.9", "replicas=2"], global_steps=3, duration=2)
-    baseline = expand_grid(spec)[0]
-    items = baseline.overrides(spec)
-    assert items[:2] == ["faults.p=0.9", "replicas=2"]
-    assert items[-5:] == ["pipeline.compression=ssn", "faults.p=0.0",
-                          f"faults.strategy={BASELINE_STRATEGY}", "faults.duration=2", "seed=0"]
-    assert "train.global_steps=3" in items
+    spec = SweepSpec(overrides=["replicas=2"], global_steps=3, duration=2)
+    baseline = expand_cells(spec)[0]
+    assert baseline.overrides(spec) == [
+        "replicas=2", "train.global_steps=3", "faults.duration=2", "pipeline.compression=ssn",
+        "faults.p=0.0", f"faults.strategy={BASELINE_STRATEGY}", "seed=0"]
+
+
+@pytest.mark.parametrize("key", ["faults.p", "faults.strategy", "pipeline.compression", "seed"])
+def test_an_override_of_a_grid_key_is_refused(key: str) -> None:
+    message = _error(overrides=[f"{key}=1"])
+    assert "overrides" in message and f"{key} is set by the grid itself" in message
 
 
 def test_schema_renders_dropdowns_and_descriptions() -> None:
@@ -100,13 +104,13 @@ def test_demo_spec_is_the_advertised_grid() -> None:
 
 
 def test_a_sweep_stored_before_claims_and_precision_keeps_its_identity():
-    from flows.spec import identity_of
+    from crucible.spec import identity_of
 
     spec = SweepSpec(**DEMO_SPEC)
     stored_today = spec.model_dump(mode="json")
     older = {k: v for k, v in stored_today.items()            # what an earlier release stored
              if k not in ("close_margin", "equivalence_margin", "target_half_width",
-                          "max_seeds")}
+                          "max_seeds", "grid", "title", "files")}
     assert identity_of(older) == identity_of(stored_today) == spec.identity()
     # a new target or margins is another reading of the same runs: the same sweep
     assert SweepSpec(**DEMO_SPEC, target_half_width=0.2).identity() == spec.identity()
@@ -116,3 +120,85 @@ def test_a_sweep_stored_before_claims_and_precision_keeps_its_identity():
             != SweepSpec(**DEMO_SPEC, max_seeds=4).identity())
     with pytest.raises(ValueError, match="max_seeds"):
         SweepSpec(**{**DEMO_SPEC, "seeds": [0, 1, 2]}, max_seeds=2)
+
+
+# --------------------------------------------------------------------------------------------
+# the grid: one model for a sweep and a study
+# --------------------------------------------------------------------------------------------
+
+_GRID = [{"arms": ["none", "ssn"], "strategies": ["skip", "drop"], "p": [0, 0.1]},
+         {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2],
+          "set": ["pipeline.bypass_decode=sender"], "seeds": [0, 5]}]
+
+
+def test_grid_blocks_expand_with_labels_overrides_and_their_own_seeds() -> None:
+    spec = SweepSpec(grid=_GRID, seeds=[0, 1], duration=None)
+    cells = {c.id: c for c in spec.cells()}
+    assert sorted(cells) == sorted(
+        [f"{a}-base-s{s}" for a in ("none", "ssn") for s in (0, 1)]
+        + ["mapl-base-s0", "mapl-base-s5"]
+        + [f"{a}-{st}-p0.1-s{s}" for a in ("none", "ssn") for st in ("skip", "drop")
+           for s in (0, 1)]
+        + ["mapl-skip-p0.2-bypass_decode_sender-s0", "mapl-skip-p0.2-bypass_decode_sender-s5"])
+    sender = cells["mapl-skip-p0.2-bypass_decode_sender-s5"]
+    assert sender.label == "mapl/skip/p=0.2/bypass_decode_sender/seed=5"
+    assert sender.overrides(spec) == ["pipeline.bypass_decode=sender",
+                                      "pipeline.compression=mapl", "faults.p=0.2",
+                                      "faults.strategy=skip", "seed=5"]
+    # the baseline of a labelled cell is the arm's shared, unlabelled one
+    assert sender.baseline.id == "mapl-base-s5" and sender.baseline.sets == ()
+    # the block's own seed (5) runs after every cell of the spec's seeds
+    order = [c.id for c in spec.cells()]
+    assert order.index("mapl-base-s5") > order.index("ssn-drop-p0.1-s1")
+    # the flat fields are the one-block grid
+    flat = SweepSpec(arms=["none"], strategies=["skip"], failure_probabilities=[0.1])
+    assert [c.id for c in flat.cells()] == [
+        c.id for c in SweepSpec(grid=[{"arms": ["none"], "strategies": ["skip"], "p": [0.1]}]
+                                ).cells()]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"grid": _GRID, "arms": ["ssn"]}, "give either `grid` or arms, not both"),
+    ({"grid": [{**_GRID[0], "set": ["train.lr=0.1"]}]},
+     "train.lr would change training without failures too"),
+    ({"grid": [{**_GRID[0], "label": "x"}]}, "without `set` overrides"),
+    ({"grid": [{**_GRID[0], "label": "Bad"}]}, "must be lower-case letters"),
+    ({"grid": [{**_GRID[0], "p": [0.1, 0.1]}]}, "lists a value twice"),
+    ({"grid": [{**_GRID[0], "p": [1.5]}]}, "1.5 is not a probability"),
+    ({"grid": [{**_GRID[0], "seeds": [1, 1]}]}, "lists a seed twice"),
+    ({"grid": [_GRID[1], {**_GRID[1], "set": ["pipeline.bypass_decode=receiver"],
+                          "label": "bypass_decode_sender"}]}, "distinct `label`"),
+])
+def test_a_bad_grid_names_the_field_and_the_fix(spec: dict, needle: str) -> None:
+    assert needle in _error(**spec)
+
+
+def test_a_spec_round_trips_through_its_json_as_the_prefect_form_sends_it() -> None:
+    spec = SweepSpec(grid=_GRID, seeds=[0, 1], tags=["t"])
+    again = SweepSpec(**spec.model_dump(mode="json"))
+    assert again.cells() == spec.cells() and again.identity() == spec.identity()
+    assert "grid" in SweepSpec.model_json_schema()["properties"]
+
+
+def test_the_committed_study_specs_load_into_the_one_model() -> None:
+    from pathlib import Path
+
+    from crucible.study import load_spec
+
+    root = Path(__file__).resolve().parents[2]
+    spec = load_spec(root / "studies" / "table1.toml")
+    assert isinstance(spec, SweepSpec) and spec.duration is None    # the preset's duration
+    assert spec.files is not None and spec.results_dir == root / "results" / "table1"
+    again = SweepSpec(**spec.model_dump(mode="json"))
+    assert [c.id for c in again.cells()] == [c.id for c in spec.cells()]
+    assert again.identity() == spec.identity()           # where its files lie is no identity
+
+
+def test_the_flow_refuses_a_labelled_block_it_could_not_tell_apart() -> None:
+    from crucible.config import ConfigError
+    from flows.settings import FlowSettings
+    from flows.sweep_flow import _plan
+
+    with pytest.raises(ConfigError, match=r"spec.grid\[1\]: the registry groups"):
+        _plan(SweepSpec(grid=_GRID), FlowSettings())
+    assert len(_plan(SweepSpec(grid=_GRID[:1]), FlowSettings())) == 2 + 2 * 2

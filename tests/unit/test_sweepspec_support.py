@@ -7,12 +7,12 @@ import pytest
 from crucible.config import ConfigError, apply_overrides
 from crucible.presets import PRESETS, get_preset
 from crucible.reporting import ApiUnavailable
+from crucible.spec import PRESET_NAMES
 from crucible.store import TransientStoreError
 from crucible.train import TrainingDiverged
 from flows.errors import SimulatedCrash, describe, is_transient
 from flows.identity import code_version, config_fingerprint
 from flows.run_flow import resolve_config, run_store_url
-from flows.spec import PRESET_NAMES
 
 
 def test_spec_presets_match_the_library() -> None:

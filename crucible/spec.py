@@ -1,0 +1,648 @@
+"""The one spec of a failure sweep or a study, `SweepSpec`, and its cells.
+
+A spec is a grid of cells: blocks of arms x strategies x failure probabilities, each block with
+an optional label and baseline-neutral overrides (settings that change nothing when no stage
+fails, so the block's cells are still compared with the arm's shared p = 0 baseline) and its own
+seeds, plus one p = 0 baseline per arm and seed. A plain sweep gives its one block as `arms`,
+`strategies` and `failure_probabilities`; a study (`studies/*.toml`, `load_spec`) gives `grid`.
+
+It is what the Prefect UI's "Run" form of the `failure-sweep` deployment shows, so every field
+has a description and a sensible default, and the enum-like fields (`preset`, `arms`,
+`strategies`) are `Literal`s so the form shows dropdowns. Validation errors name the field and
+the fix. `crucible study` reads the same model from TOML (`crucible.study.spec.load_spec`),
+with the places its files go (`StudyFiles`).
+
+Cells (`expand_cells`) come with stable ids (`mapl-skip-p0.2-decode_sender-s1`: a study's result
+file names) and display labels (`mapl/skip/p=0.2/seed=1`: a sweep's run names), in run order:
+baselines, then the blog's core cells (skip/drop at p = 0.1 and 0.2), then the rest, seed-major
+within each tier, so a grid stopped early holds whole seeds. The p = 0 baseline does not depend
+on the mitigation strategy (nothing fails, so nothing is mitigated): it is one cell per
+(arm, seed), its strategy pinned to `BASELINE_STRATEGY`, so its resolved config, and therefore
+its fingerprint, is the same however the spec lists its strategies.
+
+`tags`, `notes`, `title`, `files` and how the claims are read (margins, target) annotate a spec
+without changing what it runs: they are left out of its `identity()`, so re-running a sweep
+with other tags continues it (and adds the tags).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
+
+__all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "Cell",
+           "GridKey", "expand_cells", "grid_keys", "ARMS", "STRATEGIES", "PRESET_NAMES",
+           "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
+           "DEMO_SPEC", "identity_of"]
+
+Arm = Compression
+StrategyName = Strategy
+PresetName = Literal["smoke", "small", "study", "study-d128", "paper-178m"]
+
+PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
+# set by the grid itself: no override may name them
+GRID_KEYS = ("seed", "pipeline.compression", "faults.p", "faults.strategy")
+# settings that change nothing when no stage fails: a block may vary them and still be compared
+# with the arm's shared p = 0 baseline
+BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode",)
+# fields that describe a spec without changing what it runs (SweepSpec.identity): how it is
+# read (its claims' margins and target) and where a study keeps its files are not what it runs
+ANNOTATIONS = ("tags", "notes", "title", "files", "close_margin", "equivalence_margin",
+               "target_half_width")
+# fields added after specs were first stored: left out of the identity while unset, so a sweep
+# stored by an earlier release is continued by its re-run
+_LATER_OPTIONAL = ("max_seeds", "grid")
+_SLUG = re.compile(r"^[a-z0-9][a-z0-9_]*$")
+
+
+def _check_choices(values: Any, allowed: tuple[str, ...], what: str) -> Any:
+    """Reject unknown names up front with a message listing the allowed ones (pydantic's own
+    Literal error is correct but does not say which list the value belongs to)."""
+    if isinstance(values, str):
+        values = [values]
+    if isinstance(values, list | tuple):
+        for value in values:
+            if isinstance(value, str) and value not in allowed:
+                raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+    return values
+
+
+def _dedupe(values: list[Any]) -> list[Any]:
+    """Drop repeats, keeping first-seen order (a repeated arm would silently double the grid)."""
+    return list(dict.fromkeys(values))
+
+
+def _no_repeats(values: list[Any], what: str = "a value") -> list[Any]:
+    if len(set(values)) != len(values):
+        raise ValueError(f"lists {what} twice: {values}; list each once")
+    return values
+
+
+def _check_overrides(items: list[str], *, per_block: bool) -> list[str]:
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:
+            raise ValueError(f"override {item!r} must look like key.path=value, e.g. "
+                             "\"pipeline.bypass_decode=sender\"")
+        if key in GRID_KEYS:
+            raise ValueError(f"{key} is set by the grid itself (arms, strategies, p, seeds); "
+                             f"remove {item!r}")
+        if per_block and key not in BASELINE_NEUTRAL_KEYS:
+            raise ValueError(
+                f"{key} would change training without failures too, but a block's cells are "
+                "compared with the arm's shared p = 0 baseline, which does not have it; only "
+                f"{', '.join(BASELINE_NEUTRAL_KEYS)} may be set per block (put {key} in the "
+                "spec's overrides, a study of its own)")
+    return items
+
+
+def _label_from_sets(sets: Iterable[str]) -> str:
+    parts = []
+    for item in sets:
+        key, value = item.split("=", 1)
+        parts.append(f"{key.strip().rsplit('.', 1)[-1]}_{value.strip()}")
+    return re.sub(r"[^a-z0-9_]+", "_", "_".join(parts).lower()).strip("_")
+
+
+def _seed_values(value: list[int]) -> list[int]:
+    bad = [s for s in value if s < 0]
+    if bad:
+        raise ValueError(f"seeds must be >= 0, got {bad}")
+    return value
+
+
+class GridBlock(BaseModel):
+    """One block of the grid: every arm x strategy x p > 0, at the spec's seeds (or its own)."""
+
+    model_config = ConfigDict(extra="forbid", title="Grid block", populate_by_name=True)
+
+    arms: list[Arm] = Field(..., min_length=1,
+                            description="Compression arms of this block: none, ssn, mapl.")
+    strategies: list[StrategyName] = Field(
+        ..., min_length=1, description="Mitigation strategies of this block.")
+    p: list[float] = Field(
+        ..., min_length=1,
+        description="Failure probabilities, each in [0, 1]; 0 stands for the arm's shared "
+                    "baseline (always run).")
+    label: str = Field("", max_length=64,
+                       description="Names this block's cells apart from the unlabelled ones "
+                                   "(lower-case letters, digits and _); default: from `set`.")
+    overrides: list[str] = Field(
+        default_factory=list, validation_alias=AliasChoices("set", "overrides"),
+        description="Baseline-neutral `key.path=value` settings of this block's cells only "
+                    "(pipeline.bypass_decode=...); their baseline is the arm's shared one.")
+    seeds: list[int] | None = Field(
+        None, min_length=1, description="This block's seeds; empty = the spec's.")
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _known_arms(cls, value: Any) -> Any:
+        return _check_choices(value, ARMS, "arm")
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _known_strategies(cls, value: Any) -> Any:
+        return _check_choices(value, STRATEGIES, "strategy")
+
+    @field_validator("arms", "strategies")
+    @classmethod
+    def _once(cls, value: list[str]) -> list[str]:
+        return _no_repeats(value)
+
+    @field_validator("p")
+    @classmethod
+    def _probabilities(cls, value: list[float]) -> list[float]:
+        for p in value:
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{p!r} is not a probability in [0, 1]; give e.g. 0.1")
+        return _no_repeats([float(p) for p in value])
+
+    @field_validator("overrides")
+    @classmethod
+    def _neutral(cls, value: list[str]) -> list[str]:
+        return _check_overrides(value, per_block=True)
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, value: list[int] | None) -> list[int] | None:
+        return None if value is None else _no_repeats(_seed_values(value), "a seed")
+
+    @field_validator("label")
+    @classmethod
+    def _slug(cls, value: str) -> str:
+        if value and not _SLUG.match(value):
+            raise ValueError(f"must be lower-case letters, digits and _ (e.g. "
+                             f"\"decode_sender\"), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _label(self) -> GridBlock:
+        if self.label and not self.overrides:
+            raise ValueError(f"label {self.label!r} without `set` overrides would name the same "
+                             "runs as the unlabelled cells; remove the label or add `set`")
+        if not self.label and self.overrides:
+            self.label = _label_from_sets(self.overrides)
+        return self
+
+
+class StudyFiles(BaseModel):
+    """Where a study keeps its files (absolute paths; `load_spec` resolves the TOML's, which
+    are relative to the spec's folder). Not part of what a spec runs."""
+
+    model_config = ConfigDict(extra="forbid", title="Study files", frozen=True)
+
+    spec: Path = Field(..., description="The spec file itself.")
+    results_dir: Path = Field(..., description="One slim summary per finished cell.")
+    runs_dir: Path = Field(..., description="The runs' own folders (checkpoints, logs).")
+    document: Path = Field(..., description="The generated results document.")
+    figures_dir: Path = Field(..., description="The document's figures.")
+    pilots: list[Path] = Field(default_factory=list,
+                               description="Candidate-preset specs whose table it shows.")
+    token_check: list[Path] = Field(default_factory=list,
+                                    description="(half the tokens, all of them) pilot specs.")
+    scale: list[Path] = Field(default_factory=list,
+                              description="Specs running some of its cells at a larger model.")
+    reuse: list[Path] = Field(default_factory=list,
+                              description="Specs whose identical runs count as its own cells.")
+
+
+class SweepSpec(BaseModel):
+    """A failure-rate sweep or study: every cell of its grid (each arm x strategy x failure
+    probability x seed of each block), plus one p = 0 baseline per arm and seed."""
+
+    model_config = ConfigDict(extra="forbid", title="Failure sweep")
+
+    name: str = Field("failure-sweep", min_length=1, max_length=200,
+                      description="Name of the sweep in the registry and on the dashboard.")
+    preset: PresetName = Field(
+        "smoke", description="Named model/training configuration every cell starts from "
+                             "(smoke: seconds on a CPU; small: minutes; study, study-d128: the "
+                             "failure study's; paper-178m: a GPU).")
+    arms: list[Arm] = Field(
+        default_factory=lambda: ["ssn", "mapl"], min_length=1,
+        description="Compression arms (pipeline.compression) to compare: none = uncompressed "
+                    "boundaries, ssn = fixed subspace, mapl = learned subspace. Leave as is "
+                    "when `grid` is given.")
+    strategies: list[StrategyName] = Field(
+        default_factory=lambda: ["skip", "drop"], min_length=1,
+        description="Mitigation strategies (faults.strategy) applied when a stage is down. "
+                    "Leave as is when `grid` is given.")
+    failure_probabilities: list[float] = Field(
+        default_factory=lambda: [0.05, 0.1], min_length=1,
+        description="Failure probabilities per replica per global step (faults.p), each in "
+                    "[0, 1]. The p = 0 baseline is always run once per arm and seed. Leave as "
+                    "is when `grid` is given.")
+    grid: list[GridBlock] | None = Field(
+        None, min_length=1,
+        description="A study's grid: blocks of arms x strategies x p, each with an optional "
+                    "label, baseline-neutral overrides and its own seeds (a block of p = 0 "
+                    "alone runs only baselines). Empty = the one block of arms, strategies "
+                    "and failure_probabilities.")
+    duration: int | None = Field(
+        6, ge=1, le=10_000,
+        description="Global steps a failed stage stays down (faults.duration); empty = the "
+                    "preset's.")
+    global_steps: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Training length in global steps (train.global_steps); empty = the preset's.")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1,
+                             description="Seeds; every cell is run once per seed.")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Extra `key.path=value` settings applied to every cell, e.g. replicas=4.")
+    store_url: str | None = Field(
+        None, description="Object store for checkpoints and contributions: file:///path or "
+                          "s3://bucket/prefix. Empty = the worker's CRUCIBLE_STORE_URL, else a "
+                          "local folder beside each run.")
+    max_seeds: int | None = Field(
+        None, ge=2, le=1000,
+        description="Seeds by precision: after the listed seeds, add seeds (and their "
+                    "baselines) to every cell whose paired 95% half-width is above "
+                    "target_half_width, widest first, up to this many seeds a cell. Empty = "
+                    "run the listed seeds only. It stops on an interval's width, never on the "
+                    "size or sign of an effect.")
+    max_concurrent_runs: int = Field(
+        2, ge=1, le=1024,
+        description="Most cells in flight at once (each also waits for a GPU slot on its host).")
+    use_deployment: bool = Field(
+        False, description="Start each cell as a run of the `train-run` deployment (spreads the "
+                           "sweep over every worker of its pool) instead of inside this flow run.")
+    tags: list[str] = Field(
+        default_factory=list,
+        description="Tags of the sweep and its runs in the registry (filter with ?tag=), also "
+                    "set as Prefect tags `tag:<t>` of its flow runs; each 1-64 characters from "
+                    "A-Za-z0-9._:/+=-, e.g. baseline or paper/fig3.")
+    title: str | None = Field(None, max_length=500,
+                              description="A study's title (its results document's heading).")
+    notes: str | None = Field(
+        None, max_length=10_000,
+        description="Free-text notes on the sweep, shown on its dashboard page.")
+    close_margin: float = Field(
+        0.5, gt=0, le=100,
+        description="Claim (d), \"MAPL is close to uncompressed\": the band, in points of "
+                    "the baseline's loss, that the paired interval must lie inside.")
+    equivalence_margin: float = Field(
+        0.5, gt=0, le=100,
+        description="Claim (e), \"at p = 0.01 the loss stays close to its baseline\": the "
+                    "equivalence band in points.")
+    target_half_width: float = Field(
+        0.5, gt=0, le=100,
+        description="The 95% half-width, in points, a cell's interval should reach; the "
+                    "Claims panel shows each comparison's width against it and the seeds "
+                    "its measured sd says it needs.")
+    files: StudyFiles | None = Field(
+        None, description="Where a study keeps its files (set by `crucible study`).")
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _known_arms(cls, value: Any) -> Any:
+        return _check_choices(value, ARMS, "arm")
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _known_strategies(cls, value: Any) -> Any:
+        return _check_choices(value, STRATEGIES, "strategy")
+
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _known_preset(cls, value: Any) -> Any:
+        _check_choices(value, PRESET_NAMES, "preset")
+        return value
+
+    @field_validator("failure_probabilities")
+    @classmethod
+    def _probabilities(cls, value: list[float]) -> list[float]:
+        for p in value:
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"failure probability {p!r} is outside [0, 1]; "
+                                 "give probabilities such as 0.05 (5% per step)")
+        return sorted(set(value))
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, value: list[int]) -> list[int]:
+        return _dedupe(_seed_values(value))
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, value: list[str]) -> list[str]:
+        return _check_overrides(value, per_block=False)
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        from crucible.store import parse_store_url  # the one check `store.url` gets too
+
+        parse_store_url(value, field="store_url")
+        return value.rstrip("/")
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        from crucible.tags import check_tags  # the rule REST and the CLI apply too
+
+        return check_tags(value, field="tag")
+
+    @field_validator("notes")
+    @classmethod
+    def _notes(cls, value: str | None) -> str | None:
+        from crucible.tags import check_notes
+
+        return check_notes(value, field="notes")
+
+    @model_validator(mode="after")
+    def _seed_budget(self) -> SweepSpec:
+        if self.max_seeds is not None and self.max_seeds < len(self.seeds):
+            raise ValueError(f"max_seeds ({self.max_seeds}) is below the {len(self.seeds)} "
+                             "seeds listed; raise max_seeds or list fewer seeds")
+        return self
+
+    @model_validator(mode="after")
+    def _non_empty_grid(self) -> SweepSpec:
+        self.arms = _dedupe(self.arms)
+        self.strategies = _dedupe(self.strategies)
+        if self.grid is not None:
+            # the flat fields stay at their defaults (a form sends them all): set, they
+            # would be a second grid that nothing runs
+            flat = [name for name in ("arms", "strategies", "failure_probabilities")
+                    if getattr(self, name) != type(self).model_fields[name].get_default(
+                        call_default_factory=True)]
+            if flat:
+                raise ValueError(f"give either `grid` or {', '.join(flat)}, not both (a "
+                                 "spec's cells come from its grid blocks when it has some; "
+                                 "leave the others at their defaults)")
+            self.cells()     # raises when two blocks make one cell differently
+        elif not any(p > 0 for p in self.failure_probabilities):
+            raise ValueError("the grid is empty: failure_probabilities has no p > 0 "
+                             "(the p = 0 baseline is always run); add e.g. 0.05")
+        return self
+
+    # -- the grid --------------------------------------------------------------------------------
+    @property
+    def blocks(self) -> list[GridBlock]:
+        """The grid's blocks: `grid`, or the one block of arms, strategies and
+        failure_probabilities."""
+        if self.grid is not None:
+            return list(self.grid)
+        return [GridBlock(arms=self.arms, strategies=self.strategies,
+                          p=self.failure_probabilities)]
+
+    @property
+    def all_seeds(self) -> tuple[int, ...]:
+        """The spec's seeds, then any more that a block asks for, in that order."""
+        extra = sorted({s for b in self.blocks for s in (b.seeds or ()) if s not in self.seeds})
+        return tuple(self.seeds) + tuple(extra)
+
+    def common_overrides(self) -> tuple[str, ...]:
+        """The settings every cell shares: `overrides`, then `global_steps` and `duration`
+        where set (a study's preset line and its parameter count read this)."""
+        items = list(self.overrides)
+        if self.global_steps is not None:
+            items.append(f"train.global_steps={self.global_steps}")
+        if self.duration is not None:
+            items.append(f"faults.duration={self.duration}")
+        return tuple(items)
+
+    def cells(self, seeds: Iterable[int] | None = None) -> list[Cell]:
+        """The grid's cells in run order (`expand_cells`)."""
+        return expand_cells(self, seeds)
+
+    def identity(self) -> dict[str, Any]:
+        """The spec as JSON without its annotations (`ANNOTATIONS`): what makes two sweeps the
+        same sweep, so a re-run with other tags or notes continues the one it re-runs."""
+        return identity_of(self.model_dump(mode="json"))
+
+    # -- a study's files -------------------------------------------------------------------------
+    def _files(self) -> StudyFiles:
+        if self.files is None:
+            raise ValueError(f"spec {self.name!r} has no study files; load it from its TOML "
+                             "file (crucible.study.load_spec)")
+        return self.files
+
+    @property
+    def path(self) -> Path:
+        return self._files().spec
+
+    @property
+    def results_dir(self) -> Path:
+        return self._files().results_dir
+
+    @property
+    def runs_dir(self) -> Path:
+        return self._files().runs_dir
+
+    @property
+    def document(self) -> Path:
+        return self._files().document
+
+    @property
+    def figures_dir(self) -> Path:
+        return self._files().figures_dir
+
+    @property
+    def root(self) -> Path:
+        """The folder that printed paths are relative to (the repository root for
+        `studies/NAME.toml`)."""
+        return self.path.parent.parent
+
+    def shown(self, path: Path) -> str:
+        """`path` as a study document prints it: relative to `root`, forward slashes."""
+        import os
+
+        return Path(os.path.relpath(path, self.root)).as_posix()
+
+    @property
+    def command(self) -> str:
+        return f"crucible study render {self.shown(self.path)}"
+
+
+def identity_of(stored: dict[str, Any]) -> dict[str, Any]:
+    """The identity of a spec as stored with its sweep (`SweepSpec.model_dump(mode="json")`,
+    of this release or an earlier one): without its annotations, and without the fields added
+    later while they are unset (`max_seeds`, `grid`: a sweep stored before they existed keeps
+    its identity). With `max_seeds` set, `target_half_width` decides which seeds run, so it is
+    part of the identity then."""
+    rounds = stored.get("max_seeds") is not None
+    return {k: v for k, v in stored.items()
+            if (k not in ANNOTATIONS or (rounds and k == "target_half_width"))
+            and not (k in _LATER_OPTIONAL and v is None)}
+
+
+# --------------------------------------------------------------------------------------------
+# Cells
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, order=True)
+class GridKey:
+    """A cell of the grid without its seed. p == 0 with strategy "base" is an arm's baseline."""
+
+    arm: str
+    strategy: str
+    p: float
+    label: str = ""
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.strategy == "base"
+
+    @property
+    def name(self) -> str:
+        if self.is_baseline:
+            return f"{self.arm}-base"
+        return f"{self.arm}-{self.strategy}-p{self.p:g}" + (f"-{self.label}" if self.label else "")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a spec: its grid key and seed, the block's overrides, and its run tier
+    (0 baselines, 1 the blog's core cells, 2 the rest)."""
+
+    key: GridKey
+    seed: int
+    sets: tuple[str, ...] = ()          # the block's baseline-neutral overrides
+    block: int | None = None            # grid block index; None for a baseline
+    tier: int = 0
+
+    @classmethod
+    def of(cls, arm: str, strategy: str | None, p: float, seed: int) -> Cell:
+        """An unlabelled cell (strategy None: the arm's p = 0 baseline)."""
+        if strategy is None or p == 0.0:
+            return cls(GridKey(arm, "base", 0.0), seed)
+        key = GridKey(arm, strategy, float(p))
+        return cls(key, seed, tier=_tier(key))
+
+    @property
+    def arm(self) -> str:
+        return self.key.arm
+
+    @property
+    def strategy(self) -> str | None:
+        """The mitigation strategy; None for a p = 0 baseline (it serves every strategy)."""
+        return None if self.key.is_baseline else self.key.strategy
+
+    @property
+    def p(self) -> float:
+        return self.key.p
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.key.is_baseline
+
+    @property
+    def baseline(self) -> Cell:
+        """The p = 0 cell this cell is compared against (itself for a baseline)."""
+        return Cell.of(self.arm, None, 0.0, self.seed)
+
+    @property
+    def id(self) -> str:
+        """The cell's stable id, a study's result file name: `mapl-skip-p0.2-s3`."""
+        return f"{self.key.name}-s{self.seed}"
+
+    @property
+    def label(self) -> str:
+        """The cell's display label, a sweep's run name: `mapl/skip/p=0.2/seed=3`."""
+        strategy = "baseline" if self.strategy is None else self.strategy
+        variant = f"/{self.key.label}" if self.key.label else ""
+        return f"{self.arm}/{strategy}/p={self.p:g}{variant}/seed={self.seed}"
+
+    def overrides(self, spec: SweepSpec) -> list[str]:
+        """`key.path=value` settings for this cell: the spec's extras first, the cell's last
+        (so a stray `faults.p=` in the extras cannot change which cell this is)."""
+        return [*spec.common_overrides(), *self.sets,
+                f"pipeline.compression={self.arm}", f"faults.p={self.p!r}",
+                f"faults.strategy={self.strategy or BASELINE_STRATEGY}", f"seed={self.seed}"]
+
+
+def _tier(key: GridKey) -> int:
+    from crucible.stats.claims import CLAIM_PS
+
+    if key.is_baseline:
+        return 0
+    core = key.strategy in ("skip", "drop") and key.p in CLAIM_PS and not key.label
+    return 1 if core else 2
+
+
+def _key_order(key: GridKey) -> tuple[Any, ...]:
+    arm = ARMS.index(key.arm) if key.arm in ARMS else len(ARMS)
+    strategy = STRATEGIES.index(key.strategy) if key.strategy in STRATEGIES else -1
+    return (not key.is_baseline, arm, key.label, strategy, key.p)
+
+
+def grid_keys(spec: SweepSpec) -> list[GridKey]:
+    """Every cell of the spec without seeds, baselines first, in a stable order."""
+    return sorted({c.key for c in expand_cells(spec)}, key=_key_order)
+
+
+def expand_cells(spec: SweepSpec, seeds: Iterable[int] | None = None) -> list[Cell]:
+    """The spec's cells in run order: baselines (one per arm and seed), then the blog's core
+    cells (skip/drop at p = 0.1 and 0.2) for every seed, then the rest; seed-major within a
+    tier so that an interrupted grid has whole seeds. Seeds that only some blocks add (a
+    block's `seeds` beyond the spec's) come after all of that, in the same order among
+    themselves. p = 0 in a block means the shared baseline. Raises ValueError when two blocks
+    give one cell different overrides."""
+    wanted = None if seeds is None else set(seeds)
+    chosen = tuple(s for s in spec.all_seeds if wanted is None or s in wanted)
+    blocks = spec.blocks
+
+    def of(block: GridBlock) -> list[int]:
+        return [s for s in (block.seeds or spec.seeds) if s in chosen]
+
+    cells: dict[str, Cell] = {}
+
+    def add(cell: Cell) -> None:
+        old = cells.get(cell.id)
+        if old is not None and old.sets != cell.sets:
+            raise ValueError(f"grid[{cell.block}]: cell {cell.id} is also made by "
+                             f"grid[{old.block}] with other overrides; give one block a "
+                             "distinct `label`")
+        cells.setdefault(cell.id, cell)
+
+    arms = [a for a in ARMS if any(a in b.arms for b in blocks)]
+    # an arm's baselines: every seed that one of its blocks runs
+    arm_seeds = {a: {s for b in blocks if a in b.arms for s in of(b)} for a in arms}
+    for seed in chosen:
+        for arm in arms:
+            if seed in arm_seeds[arm]:
+                add(Cell(GridKey(arm, "base", 0.0), seed))
+    for index, block in enumerate(blocks):
+        for arm in block.arms:
+            for strategy in block.strategies:
+                for p in block.p:
+                    if p == 0.0:
+                        continue
+                    key = GridKey(arm, strategy, p, block.label)
+                    for seed in of(block):
+                        add(Cell(key, seed, tuple(block.overrides), index, _tier(key)))
+    order = {s: i for i, s in enumerate(chosen)}
+    # the spec's own seeds first (every cell), then the seeds only some blocks add: a grid
+    # stopped early holds whole seeds of the whole grid, not the extra seeds' baselines alone
+    extra = {s: int(s not in spec.seeds) for s in chosen}
+    return sorted(cells.values(),
+                  key=lambda c: (extra[c.seed], c.tier, order[c.seed], _key_order(c.key)))
+
+
+# `make demo`: 2 codecs x 2 strategies x 2 failure rates + 2 baselines x 1 seed = 10 runs.
+DEMO_SPEC: dict[str, Any] = {
+    "name": "demo",
+    "preset": "smoke",
+    "arms": ["ssn", "mapl"],
+    "strategies": ["skip", "drop"],
+    "failure_probabilities": [0.1, 0.3],
+    "seeds": [0],
+    "max_concurrent_runs": 1,
+}
