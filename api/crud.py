@@ -354,18 +354,23 @@ def _indexed_strategy(config: Config) -> str | None:
 def create_run(session: Session, *, config: dict[str, Any], sweep_id: uuid.UUID | None = None,
                name: str | None = None, config_hash: str | None = None,
                code_version: str | None = None, tags: Sequence[str] | None = None,
-               notes: str | None = None) -> Run:
+               notes: str | None = None, label: str = "") -> Run:
     """Create a pending run from a (possibly partial) config dict, validated and resolved with
     `crucible.config.Config`; link it to its p = 0 baseline in the same sweep; commit.
-    Raises NotFoundError for an unknown sweep, InvalidInputError for a bad config."""
+    Raises NotFoundError for an unknown sweep, InvalidInputError for a bad config or a
+    labelled baseline."""
     if sweep_id is not None:
         get_sweep(session, sweep_id=sweep_id)
     resolved = _resolve_config(config)
     p = float(resolved.faults.p)
+    if label and p == 0.0:
+        raise InvalidInputError(f"label={label!r} on a p = 0 baseline: a labelled block's cells "
+                                "are compared with their arm's shared, unlabelled baseline; "
+                                "create the baseline without a label", field="body.label")
     run = Run(id=uuid.uuid4(), sweep_id=sweep_id, name=name, config=resolved.to_dict(),
               config_hash=config_hash, code_version=code_version,
               compression=resolved.pipeline.compression, strategy=_indexed_strategy(resolved),
-              p=p, duration=resolved.faults.duration,
+              p=p, label=label, duration=resolved.faults.duration,
               seed=resolved.seed, preset=resolved.preset, status="pending",
               tags=sorted(set(tags or [])), notes=notes)
     session.add(run)
@@ -587,14 +592,14 @@ def list_events(session: Session, *, run_id: uuid.UUID, kind: str | None = None,
 
 # The analysis reads these columns only: a Core select of them skips building ORM objects and
 # decoding the runs' JSON config and summary (3x faster for a 1,000-run sweep, far less garbage).
-_ANALYSIS_COLUMNS = (Run.id, Run.compression, Run.strategy, Run.p, Run.duration, Run.seed,
-                     Run.status, Run.final_val_loss, Run.initial_val_loss)
+_ANALYSIS_COLUMNS = (Run.id, Run.compression, Run.strategy, Run.p, Run.label, Run.duration,
+                     Run.seed, Run.status, Run.final_val_loss, Run.initial_val_loss)
 _ANALYSIS_KEYS = tuple(column.key for column in _ANALYSIS_COLUMNS)
 
 
 def sweep_run_rows(session: Session, *, sweep_id: uuid.UUID) -> list[dict[str, Any]]:
     """The analysis view of a sweep's runs (creation order): id, compression, strategy, p,
-    duration, seed, status, final_val_loss, initial_val_loss. A run that still owes records
+    label, duration, seed, status, final_val_loss, initial_val_loss. A run that still owes records
     (`owed_records` > 0) has status "running" here, whatever its own says: it is not a finished
     data point until they arrive. Raises NotFoundError."""
     if session.scalar(select(Sweep.id).where(Sweep.id == sweep_id)) is None:

@@ -285,6 +285,10 @@ class RunCreate(BaseModel):
     code_version: Text(128) | None = None  # type: ignore[valid-type]
     tags: Tags = Field(default_factory=list)
     notes: Notes | None = None  # type: ignore[valid-type]
+    label: str = Field("", max_length=64, pattern=r"^([a-z0-9][a-z0-9_]*)?$",
+                       description="the study block the run belongs to (crucible.spec.GridBlock."
+                                   "label: a block with baseline-neutral overrides); '' for an "
+                                   "unlabelled cell; refused on a p = 0 baseline")
 
 
 class RunUpdate(_TagEdits):
@@ -312,6 +316,8 @@ class RunPublic(BaseModel):
     strategy: str | None = Field(description="the mitigation strategy; null for a p = 0 baseline, "
                                              "which serves every strategy of its arm")
     p: float
+    label: str = Field(description="the study block the run belongs to; '' outside labelled "
+                                   "blocks")
     duration: int
     seed: int
     preset: str
@@ -426,6 +432,8 @@ class Page(BaseModel, Generic[T]):
 class RobustnessItem(BaseModel):
     compression: str
     strategy: str
+    label: str = Field(description="the study block of the cell ('' for unlabelled cells; the "
+                                   "blog's claims read only those)")
     duration: int
     p: float
     mean_pct: float

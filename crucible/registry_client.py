@@ -153,10 +153,11 @@ class ApiClient:
     def create_run(self, config: dict[str, Any], *, sweep_id: str | None = None,
                    name: str | None = None, config_hash: str | None = None,
                    code_version: str | None = None, tags: list[str] | None = None,
-                   notes: str | None = None) -> dict[str, Any]:
+                   notes: str | None = None, label: str | None = None) -> dict[str, Any]:
+        """POST a run; `label` is its study block's (crucible.spec.GridBlock.label)."""
         body = {"config": config, "sweep_id": sweep_id, "name": name,
                 "config_hash": config_hash, "code_version": code_version, "tags": tags,
-                "notes": notes}
+                "notes": notes, "label": label or None}
         return self.request("POST", f"{_PREFIX}/runs",
                             json_body={k: v for k, v in body.items() if v is not None})
 

@@ -26,11 +26,11 @@ __all__ = ["export_links", "embedded_json", "run_rows", "robustness_rows", "tabl
 
 # The REST API's names (RunPublic, the /robustness items); `config` and `summary` are left out of
 # run rows (nested, and the config is one click away on the run's page or the REST API).
-RUN_FIELDS = ("id", "name", "sweep_id", "compression", "strategy", "p", "duration", "seed",
+RUN_FIELDS = ("id", "name", "sweep_id", "compression", "strategy", "p", "label", "duration", "seed",
               "preset", "status", "initial_val_loss", "final_val_loss", "tokens_budget",
               "tokens_processed", "baseline_run_id", "tags", "created_at")
-ROBUSTNESS_FIELDS = ("compression", "strategy", "duration", "p", "mean_pct", "ci_low_pct",
-                     "ci_high_pct", "n_seeds")
+ROBUSTNESS_FIELDS = ("compression", "strategy", "label", "duration", "p", "mean_pct",
+                     "ci_low_pct", "ci_high_pct", "n_seeds")
 # a Table 1 cell (/sweeps/{ref}/table), one column per "<compression>/<strategy> <field>"
 TABLE_CELL_FIELDS = ("mean_pct", "ci_low_pct", "ci_high_pct", "n_seeds")
 

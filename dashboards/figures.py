@@ -112,12 +112,15 @@ def _mean_trace(name: str, color: str, strategy: str,
 
 def _robustness_groups(items: Sequence[Mapping[str, Any]]
                        ) -> dict[tuple[str, str, str], list[Mapping[str, Any]]]:
-    """(arm, strategy, duration suffix) -> items; the suffix is set only when the sweep mixes
-    failure durations (otherwise two durations would be drawn as one zig-zag curve)."""
+    """(arm, strategy, suffix) -> items; the suffix names a study block's label ("[decode_
+    sender]") and, only when the sweep mixes failure durations, the duration (otherwise two
+    durations, or a labelled block and the unlabelled cells, would be drawn as one zig-zag
+    curve)."""
     several = len({item.get("duration") for item in items}) > 1
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for item in items:
-        suffix = f", {item.get('duration')}-step failures" if several else ""
+        suffix = f" [{item['label']}]" if item.get("label") else ""
+        suffix += f", {item.get('duration')}-step failures" if several else ""
         groups[(str(item.get("compression")), str(item.get("strategy")), suffix)].append(item)
     return groups
 
@@ -153,17 +156,21 @@ def robustness_curves(robustness: Mapping[str, Any]) -> go.Figure:
 # --- the Table-1 view -------------------------------------------------------------------------
 
 def _column_label(column: str) -> str:
-    """"ssn/skip" -> "SSN · skip"; "ssn/skip@d6" -> "SSN · skip, 6-step failures"."""
+    """"ssn/skip" -> "SSN · skip"; "ssn/skip@d6" -> "SSN · skip, 6-step failures";
+    "mapl/skip[decode_sender]" -> "MAPL · skip [decode_sender]"."""
     column, _, duration = column.partition("@d")
+    column, _, block = column.partition("[")
     arm, _, strategy = column.partition("/")
     label = series_name(arm, strategy) if strategy else arm_label(arm)
+    if block:
+        label += f" [{block.rstrip(']')}]"
     return f"{label}, {duration}-step failures" if duration else label
 
 
-def _column_order(column: str) -> tuple[int, str, int, str]:
+def _column_order(column: str) -> tuple[int, str, int, str, str]:
     """Known arms first, then skip before drop (the registry sorts columns alphabetically)."""
-    arm, _, strategy = column.partition("@d")[0].partition("/")
-    return _group_order((arm, strategy))
+    arm, _, strategy = column.partition("@d")[0].partition("[")[0].partition("/")
+    return (*_group_order((arm, strategy)), column)
 
 
 def _cell_text(cell: Mapping[str, Any] | None) -> str:

@@ -102,6 +102,9 @@ class Run(Base):
     # strategy of its arm (its config still names one, irrelevant when nothing fails)
     strategy: Mapped[str | None] = mapped_column(String(16))
     p: Mapped[float] = mapped_column(Float)
+    # a study block's label ('' outside labelled blocks; never on a baseline): keeps a block
+    # with baseline-neutral overrides apart from the unlabelled cells of its arm, strategy, p
+    label: Mapped[str] = mapped_column(String(64), default="", server_default="")
     duration: Mapped[int] = mapped_column(Integer)
     seed: Mapped[int] = mapped_column(BigInteger)
     preset: Mapped[str] = mapped_column(String(200))

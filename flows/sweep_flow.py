@@ -34,6 +34,7 @@ flow runs on this host are released at once (see `flows.run_flow.end_flow_runs`)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
-from crucible.config import Config, ConfigError
+from crucible.config import Config
 from crucible.names import FINAL_STATUSES
 from crucible.registry_client import ApiError, ApiUnavailable
 from crucible.spec import Cell, SweepSpec, identity_of
@@ -72,8 +73,8 @@ _MAX_RUN_NAME = 200         # api.schemas.RunCreate.name
 _NAME_JOIN = " · "
 # the robustness table artifact's columns: the REST names (api.schemas.RobustnessItem) without
 # the per-seed lists, so the artifact, the API and the dashboards' CSVs agree
-ROBUSTNESS_COLUMNS = ("compression", "strategy", "duration", "p", "mean_pct", "ci_low_pct",
-                      "ci_high_pct", "n_seeds")
+ROBUSTNESS_COLUMNS = ("compression", "strategy", "label", "duration", "p", "mean_pct",
+                      "ci_low_pct", "ci_high_pct", "n_seeds")
 
 
 @dataclass
@@ -93,12 +94,6 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     """Resolve every cell's config up front (default: the spec's grid); raises ConfigError
     before anything is registered."""
     store = spec.store_url or settings.store_url
-    labelled = [i for i, block in enumerate(spec.grid or []) if block.label]
-    if labelled:
-        raise ConfigError(
-            f"spec.grid[{labelled[0]}]: the registry groups a sweep's runs by arm, strategy, p "
-            "and duration, so it cannot tell a labelled block's cells from the unlabelled ones "
-            "yet; run this spec with `crucible study run`, or drop the block's label and `set`")
     planned = []
     for cell in spec.cells() if cells is None else cells:
         overrides = cell.overrides(spec)
@@ -107,29 +102,34 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     return planned
 
 
-def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, int], int]],
+def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, str, int], int]],
                 runs: list[dict[str, Any]]) -> list[Cell]:
     """The cells a precision round adds (`crucible.stats.seeds_wanted`): for each wide cell
-    as many of the lowest seeds it has no run of as it wants added, widest cell first; and the
-    p = 0 baseline of each new (arm, seed) that has none yet, ahead of them."""
-    have: dict[tuple[str, str, float], set[int]] = {}
+    as many of the lowest seeds it has no run of as it wants added, widest cell first (a
+    labelled cell with its block's overrides); and the p = 0 baseline of each new (arm, seed)
+    that has none yet, ahead of them."""
+    have: dict[tuple[str, str, float, str], set[int]] = {}
     bases: set[tuple[str, int]] = set()
     for run in runs:
         if float(run["p"]) == 0.0:
             bases.add((run["compression"], int(run["seed"])))
         else:
-            have.setdefault((run["compression"], run["strategy"], float(run["p"])),
-                            set()).add(int(run["seed"]))
+            have.setdefault((run["compression"], run["strategy"], float(run["p"]),
+                             run.get("label") or ""), set()).add(int(run["seed"]))
+    templates = {(c.arm, c.key.strategy, c.p, c.key.label): c for c in spec.cells()
+                 if not c.is_baseline}
     added: list[Cell] = []
     baselines: list[Cell] = []
-    for (arm, strategy, p, _duration), count in wanted:
-        seeds = have.setdefault((arm, strategy, p), set())
+    for (arm, strategy, p, label, _duration), count in wanted:
+        seeds = have.setdefault((arm, strategy, p, label), set())
+        template = templates.get((arm, strategy, p, label))
         seed, new = 0, 0
         while new < count:
             if seed not in seeds:
                 seeds.add(seed)
                 new += 1
-                added.append(Cell.of(arm, strategy, p, seed))
+                added.append(Cell.of(arm, strategy, p, seed) if template is None else
+                             dataclasses.replace(template, seed=seed))
                 if (arm, seed) not in bases:
                     bases.add((arm, seed))
                     baselines.append(Cell.of(arm, None, 0.0, seed))
@@ -178,7 +178,7 @@ def _register(client: Any, spec: SweepSpec,
             run = client.create_run(config=item.config.to_dict(), sweep_id=sweep_id,
                                     name=cell_run_name(spec, item.cell),
                                     config_hash=item.fingerprint, code_version=version,
-                                    tags=tags)
+                                    tags=tags, label=item.cell.key.label)
         elif not set(tags) <= set(run.get("tags") or []):
             client.update_run(str(run["id"]), add_tags=tags)
         records[item.fingerprint] = (str(run["id"]), run.get("status") == "completed")

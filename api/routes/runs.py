@@ -50,10 +50,11 @@ RunFieldsQuery = FieldsQuery(RunPublic)
 @router.post("", status_code=201, response_model=RunPublic, dependencies=[WriteAuthDep],
              responses=write_responses(404, 409))
 def create_run(body: RunCreate, session: SessionDep) -> RunPublic:
-    """Register a run from its config (status pending); 404 for an unknown sweep_id."""
+    """Register a run from its config (status pending); 404 for an unknown sweep_id, 422 for
+    a bad config or a labelled p = 0 baseline."""
     run = crud.create_run(session, config=body.config, sweep_id=body.sweep_id, name=body.name,
                           config_hash=body.config_hash, code_version=body.code_version,
-                          tags=body.tags, notes=body.notes)
+                          tags=body.tags, notes=body.notes, label=body.label)
     return RunPublic.model_validate(run)
 
 

@@ -129,21 +129,22 @@ def paired_degradations(runs: Sequence[Mapping[str, Any]]
 def _item(key: CellKey, by_seed: Mapping[int, tuple[float, str]]) -> dict[str, Any]:
     seeds = sorted(by_seed)
     mean, lo, hi, n = summarise([by_seed[s][0] for s in seeds])
-    return {"compression": key.arm, "strategy": key.strategy, "duration": key.duration,
-            "p": key.p, "mean_pct": mean, "ci_low_pct": lo, "ci_high_pct": hi, "n_seeds": n,
+    return {"compression": key.arm, "strategy": key.strategy, "label": key.label,
+            "duration": key.duration, "p": key.p, "mean_pct": mean, "ci_low_pct": lo, "ci_high_pct": hi, "n_seeds": n,
             "seeds": seeds, "run_ids": [by_seed[s][1] for s in seeds]}
 
 
 def robustness(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A sweep's robustness: {"items": [...], "missing_baselines": [...], "pending_runs": int,
-    "failed_runs": int}. Items, sorted by (compression, strategy, duration, p), hold the mean
+    "failed_runs": int}. Items, sorted by (compression, strategy, label, duration, p), hold the
+    mean
     degradation with its 95% interval over seeds (both bounds None with one seed: never a fake
     zero-width interval) and include a p = 0 row (mean 0, the baselines' run ids) for every arm
     x strategy x duration that has a usable baseline."""
     cells, missing = paired_degradations(runs)
     items = [_item(key, by_seed) for key, by_seed in
-             sorted(cells.items(), key=lambda kv: (kv[0].arm, kv[0].strategy, kv[0].duration,
-                                                   kv[0].p, kv[0].label))
+             sorted(cells.items(), key=lambda kv: (kv[0].arm, kv[0].strategy, kv[0].label,
+                                                   kv[0].duration, kv[0].p))
              if by_seed]
     return {
         "items": items,
@@ -155,8 +156,11 @@ def robustness(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def column_name(item: Mapping[str, Any], *, with_duration: bool = False) -> str:
-    """Table column of an item: "<compression>/<strategy>", plus "@d<duration>" when asked."""
+    """Table column of an item: "<compression>/<strategy>", plus "[<label>]" for a labelled
+    block's cells and "@d<duration>" when asked."""
     name = f"{item['compression']}/{item['strategy']}"
+    if item.get("label"):
+        name += f"[{item['label']}]"
     return f"{name}@d{item['duration']}" if with_duration else name
 
 
@@ -178,8 +182,8 @@ def robustness_table(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds: int
-                 ) -> list[tuple[tuple[str, str, float, int], int]]:
-    """Seeds by precision: ((compression, strategy, p, duration), seeds to add in the next
+                 ) -> list[tuple[tuple[str, str, float, str, int], int]]:
+    """Seeds by precision: ((compression, strategy, p, label, duration), seeds to add in the next
     round) for every cell at p > 0 whose paired 95% half-width is above `target` and
     that has fewer than `max_seeds` seeds, widest first (a cell without an interval yet counts
     as widest). It should have what its measured sd says a ±target interval needs
@@ -204,7 +208,7 @@ def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds
             sd = half * math.sqrt(n) / t_quantile(0.975, n - 1)
             need = seeds_for_half_width(sd, target, cap=max_seeds) or max_seeds
         key = (str(item["compression"]), str(item["strategy"]), float(item["p"]),
-               int(item["duration"]))
+               str(item.get("label") or ""), int(item["duration"]))
         wanted.append((half, key, min(max_seeds, max(n + 1, need)) - n))
     wanted.sort(key=lambda w: (-w[0], w[1]))
     return [(key, count) for _, key, count in wanted]

@@ -4,7 +4,8 @@
     crucible study render studies/table1-d128.toml [--check] [--no-figures]
     crucible study adopt studies/table1-d128.toml   # identical runs of its `reuse` specs
 
-A spec (TOML) names a preset, the seeds and a list of grid blocks (arms x strategies x p, plus
+A spec (TOML, loaded into the one spec model of sweeps and studies, `crucible.spec.SweepSpec`;
+the `failure-sweep` flow takes the same grid) names a preset, the seeds and a list of grid blocks (arms x strategies x p, plus
 optional `key=value` overrides, a label and the block's own `seeds`; an arm's baselines cover
 every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-preset specs whose
 table the document shows, crucible.pilot), `token_check` (half-tokens and full pilot specs),

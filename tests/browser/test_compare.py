@@ -126,5 +126,5 @@ def test_sweep_runs_csv_download_has_rest_names_and_exact_numbers(
     with page.expect_download() as info:
         page.click(".export[data-export$='-robustness'] a[data-format=csv]")
     header = info.value.path().read_text(encoding="utf-8").splitlines()[0]
-    assert header == "compression,strategy,duration,p,mean_pct,ci_low_pct,ci_high_pct,n_seeds"
+    assert header == "compression,strategy,label,duration,p,mean_pct,ci_low_pct,ci_high_pct,n_seeds"
     assert browser_page.errors == [], f"console errors: {browser_page.errors}"

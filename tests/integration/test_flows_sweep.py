@@ -104,3 +104,35 @@ def test_seeds_by_precision_add_seeds_only_while_a_cell_is_wider_than_the_target
                                 max_seeds=3, target_half_width=0.001))
     assert again["sweep_id"] == tight["sweep_id"] and again["completed"] == 0
     assert len(flow_client.list_runs(sweep_id=tight["sweep_id"])) == 6
+
+
+def test_a_study_grid_with_a_labelled_block_runs_as_one_sweep(prefect_harness: None,
+                                                              flow_client: ApiClient) -> None:
+    """A study's grid (crucible.spec): a labelled block of MAPL's sender decode beside the
+    unlabelled cells at the same arm, strategy and p. The registry keeps them apart (its own
+    robustness row), both pair with the arm's one shared baseline, and the claims read only
+    the unlabelled cells."""
+    spec = SweepSpec(name="tiny-grid", seeds=[0], global_steps=2, duration=1, overrides=TINY,
+                     max_concurrent_runs=2, grid=[
+                         {"arms": ["mapl"], "strategies": ["skip"], "p": [0.5]},
+                         {"arms": ["mapl"], "strategies": ["skip"], "p": [0.5],
+                          "label": "decode_sender", "set": ["pipeline.bypass_decode=sender"]}])
+    outcome = failure_sweep(spec)
+    runs = flow_client.list_runs(sweep_id=outcome["sweep_id"])
+    assert outcome["runs"] == len(runs) == 3 and outcome["failed"] == 0
+    by_label = {run["label"]: run for run in runs if run["p"] > 0}
+    assert set(by_label) == {"", "decode_sender"}
+    assert by_label["decode_sender"]["config"]["pipeline"]["bypass_decode"] == "sender"
+    assert by_label[""]["config"]["pipeline"]["bypass_decode"] != "sender"
+    [baseline] = [run for run in runs if run["p"] == 0.0]
+    assert baseline["label"] == ""
+    assert {run["baseline_run_id"] for run in by_label.values()} == {baseline["id"]}
+    assert by_label["decode_sender"]["name"] == "tiny-grid · mapl/skip/p=0.5/decode_sender/seed=0"
+    items = [i for i in flow_client.robustness(outcome["sweep_id"])["items"] if i["p"] > 0]
+    assert sorted(i["label"] for i in items) == ["", "decode_sender"]
+    for item in items:
+        [run] = [r for r in by_label.values() if r["label"] == item["label"]]
+        expected = 100 * (run["final_val_loss"] - baseline["final_val_loss"]) \
+            / baseline["final_val_loss"]
+        assert item["mean_pct"] == pytest.approx(expected)
+    assert sorted(r["label"] for r in outcome["rows"]) == ["", "decode_sender"]

@@ -213,7 +213,7 @@ def _orm_sweep_run_rows(session, sweep_id):
 
     query = select(Run).where(Run.sweep_id == sweep_id).order_by(Run.created_at, Run.id)
     return [{"id": str(r.id), "compression": r.compression, "strategy": r.strategy, "p": r.p,
-             "duration": r.duration, "seed": r.seed, "status": r.status,
+             "label": r.label, "duration": r.duration, "seed": r.seed, "status": r.status,
              "final_val_loss": r.final_val_loss, "initial_val_loss": r.initial_val_loss}
             for r in session.scalars(query)]
 
@@ -248,3 +248,30 @@ def test_robustness_and_table_match_the_orm_implementation(registry, registry_ap
     table = {"sweep_id": sid, **analysis.robustness_table(expected["items"])}
     got = registry.get(f"{V1}/sweeps/{sid}/table").json()
     assert got == TablePublic.model_validate(table).model_dump(mode="json")
+
+
+def test_labelled_runs_are_their_own_robustness_cells_against_the_shared_baseline(registry):
+    """A study block's label keeps its runs apart from the unlabelled cell of the same arm,
+    strategy and p; both pair with the arm's one baseline; a labelled baseline is refused."""
+    sweep = _sweep(registry)
+    for seed, (base, plain, labelled) in enumerate(((2.0, 2.1, 2.4), (3.0, 3.3, 3.0))):
+        _run(registry, sweep["id"], p=0.0, seed=seed, loss=base)
+        _run(registry, sweep["id"], p=0.2, seed=seed, loss=plain)
+        response = registry.post(f"{V1}/runs", json={
+            "sweep_id": sweep["id"], "config": _config(p=0.2, seed=seed), "label": "variant"})
+        assert response.status_code == 201, response.text
+        assert response.json()["label"] == "variant"
+        registry.patch(f"{V1}/runs/{response.json()['id']}",
+                       json={"status": "completed", "final_val_loss": labelled})
+    items = {i["label"]: i for i in registry.get(
+        f"{V1}/sweeps/{sweep['id']}/robustness").json()["items"] if i["p"] > 0}
+    assert items[""]["mean_pct"] == pytest.approx((5.0 + 10.0) / 2)
+    assert items["variant"]["mean_pct"] == pytest.approx((20.0 + 0.0) / 2)
+    table = registry.get(f"{V1}/sweeps/{sweep['id']}/table").json()
+    assert sorted(table["columns"]) == ["ssn/skip", "ssn/skip[variant]"]
+    refused = registry.post(f"{V1}/runs", json={
+        "sweep_id": sweep["id"], "config": _config(p=0.0, seed=5), "label": "variant"})
+    assert refused.status_code == 422 and "label" in refused.text
+    bad = registry.post(f"{V1}/runs", json={
+        "sweep_id": sweep["id"], "config": _config(p=0.2, seed=5), "label": "Two Words"})
+    assert bad.status_code == 422

@@ -135,15 +135,15 @@ def test_seeds_wanted_picks_only_cells_wider_than_the_target_widest_first():
              _item("drop", 0.1, 4, 2.0), _item("skip", 0.2, 1, None),    # no interval: widest
              _item("drop", 0.2, 3, 0.9)]
     wanted = seeds_wanted(items, target=0.5, max_seeds=40)
-    assert [key for key, _ in wanted] == [("ssn", "skip", 0.2, 6), ("ssn", "drop", 0.1, 6),
-                                          ("ssn", "drop", 0.2, 6)]
+    assert [key for key, _ in wanted] == [("ssn", "skip", 0.2, "", 6), ("ssn", "drop", 0.1, "", 6),
+                                          ("ssn", "drop", 0.2, "", 6)]
     added = dict(wanted)
-    assert added[("ssn", "skip", 0.2, 6)] == 1            # one seed: a second gives an sd
+    assert added[("ssn", "skip", 0.2, "", 6)] == 1            # one seed: a second gives an sd
     # half 2.0 at n = 4: sd = 2.0 * 2 / t(0.975, 3); the seeds that sd needs for ±0.5, less 4
     sd = 2.0 * 2 / t_quantile(0.975, 3)
-    assert added[("ssn", "drop", 0.1, 6)] == seeds_for_half_width(sd, 0.5) - 4
+    assert added[("ssn", "drop", 0.1, "", 6)] == seeds_for_half_width(sd, 0.5) - 4
     assert seeds_wanted(items, target=0.5, max_seeds=4) == [
-        (("ssn", "skip", 0.2, 6), 1), (("ssn", "drop", 0.2, 6), 1)]   # the budget caps them
+        (("ssn", "skip", 0.2, "", 6), 1), (("ssn", "drop", 0.2, "", 6), 1)]   # the budget caps them
 
 
 def test_seeds_wanted_reads_widths_never_means():
@@ -164,14 +164,29 @@ def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
     runs = [{"compression": "ssn", "strategy": s, "p": p, "seed": seed}
             for seed in (0, 1) for s, p in (("skip", 0.0), ("skip", 0.1), ("drop", 0.1))]
     runs.append({"compression": "ssn", "strategy": "drop", "p": 0.1, "seed": 5})
-    cells = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 1)], runs)
+    cells = extra_cells(spec, [(("ssn", "drop", 0.1, "", 6), 1)], runs)
     labels = [c.label for c in cells]
     # seeds 0, 1 and 5 have runs: one more is the lowest free one, with its baseline; the skip
     # cell is not asked for and gets none
     assert labels == ["ssn/baseline/p=0/seed=2", "ssn/drop/p=0.1/seed=2"]
-    more = extra_cells(spec, [(("ssn", "drop", 0.1, 6), 3), (("ssn", "skip", 0.1, 6), 1)], runs)
+    more = extra_cells(spec, [(("ssn", "drop", 0.1, "", 6), 3), (("ssn", "skip", 0.1, "", 6), 1)], runs)
     assert [c.label for c in more] == [
         "ssn/baseline/p=0/seed=2", "ssn/baseline/p=0/seed=3", "ssn/baseline/p=0/seed=4",
         "ssn/drop/p=0.1/seed=2",
         "ssn/drop/p=0.1/seed=3", "ssn/drop/p=0.1/seed=4", "ssn/skip/p=0.1/seed=2"]
     assert extra_cells(spec, [], runs) == []
+
+
+def test_a_precision_round_gives_a_labelled_cell_its_blocks_overrides():
+    from crucible.spec import SweepSpec
+    from flows.sweep_flow import extra_cells
+
+    spec = SweepSpec(preset="smoke", seeds=[0], max_seeds=4, grid=[
+        {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2]},
+        {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2], "label": "decode_sender",
+         "set": ["pipeline.bypass_decode=sender"]}])
+    runs = [{"compression": "mapl", "strategy": "skip", "p": p, "seed": 0, "label": label}
+            for p, label in ((0.0, ""), (0.2, ""), (0.2, "decode_sender"))]
+    [base, cell] = extra_cells(spec, [(("mapl", "skip", 0.2, "decode_sender", 6), 1)], runs)
+    assert base.id == "mapl-base-s1" and cell.id == "mapl-skip-p0.2-decode_sender-s1"
+    assert "pipeline.bypass_decode=sender" in cell.overrides(spec)

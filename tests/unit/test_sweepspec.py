@@ -194,11 +194,12 @@ def test_the_committed_study_specs_load_into_the_one_model() -> None:
     assert again.identity() == spec.identity()           # where its files lie is no identity
 
 
-def test_the_flow_refuses_a_labelled_block_it_could_not_tell_apart() -> None:
-    from crucible.config import ConfigError
+def test_the_flow_plans_a_labelled_block_with_its_overrides() -> None:
     from flows.settings import FlowSettings
     from flows.sweep_flow import _plan
 
-    with pytest.raises(ConfigError, match=r"spec.grid\[1\]: the registry groups"):
-        _plan(SweepSpec(grid=_GRID), FlowSettings())
-    assert len(_plan(SweepSpec(grid=_GRID[:1]), FlowSettings())) == 2 + 2 * 2
+    planned = {item.cell.id: item for item in _plan(SweepSpec(grid=_GRID), FlowSettings())}
+    sender = planned["mapl-skip-p0.2-bypass_decode_sender-s0"]
+    assert sender.config.pipeline.bypass_decode == "sender"
+    assert planned["mapl-base-s0"].config.pipeline.bypass_decode != "sender"
+    assert len({item.fingerprint for item in planned.values()}) == len(planned)

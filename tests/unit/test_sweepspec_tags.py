@@ -72,7 +72,7 @@ def test_robustness_artifact_columns_are_the_rest_field_names() -> None:
     from api.schemas import RobustnessItem
 
     rest = [name for name in RobustnessItem.model_fields if name not in ("seeds", "run_ids")]
-    item = {"compression": "ssn", "strategy": "drop", "duration": 6, "p": 0.1,
+    item = {"compression": "ssn", "strategy": "drop", "label": "", "duration": 6, "p": 0.1,
             "mean_pct": 1.23456, "ci_low_pct": None, "ci_high_pct": None, "n_seeds": 1,
             "seeds": [0], "run_ids": ["r"]}
     baseline = {**item, "p": 0.0, "mean_pct": 0.0}
