@@ -358,18 +358,28 @@ def _on_failed(flow: Any, flow_run: Any, state: Any) -> None:
 def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B008 - UI default
     """Run a failure-rate sweep (see `SweepSpec`) and post its robustness summary.
 
-    Returns {sweep_id, runs, completed, failed, cancelled, owed, skipped, rows,
-    precision_rounds} (cancelled: cells whose own flow run was cancelled; precision_rounds:
-    per round of seeds by precision {round, cells, runs}, empty without `max_seeds`); the flow
-    run fails (after posting the artifacts) if any cell failed.
+    Returns {sweep_id, runs, completed, failed, cancelled, owed, skipped, in_results, rows,
+    precision_rounds} (cancelled: cells whose own flow run was cancelled; in_results: a
+    study's cells not run because their result file exists; precision_rounds: per round of
+    seeds by precision {round, cells, runs}, empty without `max_seeds`); the flow run fails
+    (after posting the artifacts) if any cell failed.
+
+    A study (`spec.files` set, as `crucible study run` does): cells whose result file
+    `<results_dir>/<cell id>.json` exists are not run, and every cell whose run completes (or
+    had completed) gets its slim summary written there (`crucible.study.runner.keep_result`).
     """
     logger = get_run_logger()
     settings = FlowSettings()
     planned = _plan(spec, settings)
+    in_results = len(planned)
+    planned = [item for item in planned if not _has_result(spec, item.cell)]
+    in_results -= len(planned)
     drain_spools(settings)     # runs completed by this replay are skipped below
     sweep_id, records = register_sweep(spec, planned, settings)
     for item in planned:
         item.run_id, item.done = records[item.fingerprint]
+        if item.done:
+            _keep_study_result(spec, item, settings)
     todo = [item for item in planned if not item.done]
     skipped = len(planned) - len(todo)
     logger.info("sweep %s: %d cells, %d already completed", sweep_id, len(planned), skipped)
@@ -377,13 +387,16 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     _post_dashboard_link(sweep_id, spec, settings)
 
     progress_id = create_progress_artifact(
-        progress=100.0 * skipped / len(planned), key=_artifact_key(sweep_id, "progress"),
+        progress=100.0 * skipped / max(len(planned), 1),
+        key=_artifact_key(sweep_id, "progress"),
         description=f"Cells of sweep {spec.name} finished ({len(planned)} in all)")
     finished = [skipped]
+    keep = _keeper(spec, {item.run_id: item for item in planned}, settings)
 
     def on_done(result: dict[str, Any]) -> None:
         finished[0] += 1
         update_progress_artifact(progress_id, 100.0 * finished[0] / len(planned))
+        keep(result)
 
     results = _run_cells(spec, sweep_id, todo, settings, on_done)
     drain_spools(settings)     # cells that ended owing records may be complete now
@@ -406,7 +419,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
                "runs": len(planned) + sum(item["runs"] for item in rounds),
                "completed": len(results) - len(failed) - len(owed) - len(cancelled),
                "failed": len(failed), "cancelled": len(cancelled), "owed": len(owed),
-               "skipped": skipped, "rows": rows, "precision_rounds": rounds}
+               "skipped": skipped, "in_results": in_results, "rows": rows,
+               "precision_rounds": rounds}
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(planned)} cells of sweep {sweep_id} failed: "
                            + "; ".join(f"{r['run_id']}: {r['reason']}" for r in failed[:5]))
@@ -439,7 +453,8 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         logger.info("sweep %s, precision round %d: %d cell(s) above ±%g points get seeds; "
                     "%d run(s)", sweep_id, number, len(wanted), spec.target_half_width,
                     len(todo))
-        results = _run_cells(spec, sweep_id, todo, settings, lambda _result: None)
+        results = _run_cells(spec, sweep_id, todo, settings,
+                             _keeper(spec, {item.run_id: item for item in extra}, settings))
         drain_spools(settings)
         results = _registry_status(results, settings)
         rounds.append({"round": number, "cells": len(wanted), "runs": len(extra),
@@ -447,6 +462,43 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         if not todo or any(r["status"] != "completed" for r in results):
             break
     return rounds
+
+
+def _keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
+            settings: FlowSettings) -> Any:
+    """An `on_done` for `_run_cells` that keeps each completed cell's study result."""
+    def keep(result: dict[str, Any]) -> None:
+        if result["status"] == "completed" and result["run_id"] in by_run:
+            _keep_study_result(spec, by_run[result["run_id"]], settings)
+    return keep
+
+
+def _has_result(spec: SweepSpec, cell: Cell) -> bool:
+    """A study's cell whose result file exists (never for a plain sweep)."""
+    if spec.files is None:
+        return False
+    from crucible.study.spec import result_path
+
+    return result_path(spec, cell).is_file()
+
+
+def _keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) -> None:
+    """A study's completed cell: its run's summary, from the registry (checked against the
+    cell, as `crucible study render` will read it), kept as the cell's result file. A run that
+    still owes records is not complete yet: its file is written by the run that finds it
+    completed. Nothing for a plain sweep, or when the file exists."""
+    if spec.files is None or item.run_id is None or _has_result(spec, item.cell):
+        return
+    from crucible.study.runner import check_result, keep_result
+    from crucible.study.spec import result_path
+
+    with make_client(settings) as client:
+        run = client.get_run(item.run_id)
+    if run.get("status") != "completed" or not run.get("summary"):
+        return
+    summary = {"config": run["config"], **run["summary"]}
+    check_result(summary, item.cell, result_path(spec, item.cell))
+    keep_result(spec, item.cell, summary, jobs=spec.max_concurrent_runs)
 
 
 def _registry_status(results: list[dict[str, Any]],

@@ -19,10 +19,11 @@ ids:
     mapl-skip-p0.2-s3                 arm, strategy, p, seed
     mapl-skip-p0.2-decode_sender-s1   the same with a block label (its overrides)
 
-`study run` runs every cell whose result file `<results_dir>/<cell-id>.json` is missing as a
-`crucible run` subprocess (one torch thread each, `--jobs` at a time) and copies the run's
-summary.json there when it finishes, so a grid can be completed over several sittings and the
-results committed. `study render` turns the committed results into the Markdown document and
+`study run` runs every cell whose result file `<results_dir>/<cell-id>.json` is missing on the
+`failure-sweep` flow (crucible.spec's model is its parameter; the embedded stack: ephemeral
+Prefect and the registry over SQLite in `<runs_dir>`, one torch thread a cell, `--jobs` at a
+time), and the flow keeps each finished cell's summary there, so a grid can be completed over
+several sittings and the results committed. `study render` turns the committed results into the Markdown document and
 its PNG figures; `--check` fails when the document differs from what the data render.
 
 Statistics: a cell's degradation for seed s is 100 (L - L0) / L0 of the final validation loss,
@@ -66,17 +67,15 @@ from crucible.study.formatting import _pts as _pts
 from crucible.study.formatting import _table as _table
 from crucible.study.runner import BULKY_FIELDS as BULKY_FIELDS
 from crucible.study.runner import MAX_RESULT_BYTES as MAX_RESULT_BYTES
-from crucible.study.runner import RunOutcome as RunOutcome
-from crucible.study.runner import _expect as _expect
 from crucible.study.runner import adopt_results as adopt_results
+from crucible.study.runner import check_result as check_result
 from crucible.study.runner import check_same_cpu as check_same_cpu
 from crucible.study.runner import comparable_config as comparable_config
 from crucible.study.runner import cpu_model as cpu_model
 from crucible.study.runner import keep_result as keep_result
-from crucible.study.runner import load_results, run_study
+from crucible.study.runner import load_results
 from crucible.study.runner import machine_description as machine_description
 from crucible.study.runner import portable as portable
-from crucible.study.runner import run_command as run_command
 from crucible.study.runner import slim_summary as slim_summary
 from crucible.study.spec import (
     DEFAULT_SPEC,
@@ -87,6 +86,6 @@ from crucible.study.spec import (
 )
 from crucible.study.spec import result_path as result_path
 
-__all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "run_study", "load_results", "StudyData",
+__all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "load_results", "StudyData",
            "render_markdown", "build_figures", "write_figures", "render", "noise_floor",
            "register", "NOISE_FLOOR_Z", "DEFAULT_SPEC"]

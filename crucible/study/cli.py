@@ -3,13 +3,12 @@
 """
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
 from crucible.spec import SweepSpec, expand_cells
 from crucible.study.document import render
-from crucible.study.runner import adopt_results, check_same_cpu, run_command, run_study
+from crucible.study.runner import adopt_results, check_same_cpu
 from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec
 
 
@@ -26,6 +25,25 @@ def _check_machine(spec: SweepSpec, *, memory_check: bool = True) -> None:
         if config.to_json() not in seen:
             seen.add(config.to_json())
             check_machine(config, memory_check=memory_check)
+
+
+def for_run(spec: SweepSpec, *, jobs: int, seeds: list[int] | None = None) -> SweepSpec:
+    """The spec as `study run` runs it: `jobs` cells at a time, and with `seeds` only those
+    seeds (of the spec's and of each block's; a block left with none of its own is dropped)."""
+    update: dict[str, Any] = {"max_concurrent_runs": jobs}
+    if seeds is not None:
+        chosen = set(seeds)
+        update["seeds"] = [s for s in spec.seeds if s in chosen] or [min(chosen)]
+        blocks = []
+        for block in spec.blocks:
+            if block.seeds is None:
+                if any(s in chosen for s in spec.seeds):
+                    blocks.append(block)
+            elif mine := [s for s in block.seeds if s in chosen]:
+                blocks.append(block.model_copy(update={"seeds": mine}))
+        if spec.grid is not None:
+            update["grid"] = blocks
+    return spec.model_copy(update=update)
 
 
 def _parse_seeds(text: str | None, spec: SweepSpec) -> list[int] | None:
@@ -61,47 +79,64 @@ def register(app: Any) -> None:
         jobs: int = typer.Option(2, "--jobs", help="runs at a time (one torch thread each)"),
         seeds: str | None = typer.Option(None, "--seeds", help="only these of the spec's seeds, "
                                                                "e.g. 0,1"),
-        limit: int | None = typer.Option(None, "--limit", help="run at most N missing cells "
-                                                               "this sitting"),
         dry_run: bool = typer.Option(False, "--dry-run", help="list the cells that would run"),
         skip_memory_check: bool = typer.Option(
-            False, "--skip-memory-check", help="start runs whatever their memory estimate "
-                                               "(passed on to each `crucible run`)"),
+            False, "--skip-memory-check", help="start runs whatever their memory estimate"),
         allow_mixed_cpus: bool = typer.Option(
             False, "--allow-mixed-cpus", help="add runs made on this CPU model to results made "
                                               "on another (they are not bit-comparable)"),
     ) -> None:
-        """Run the cells of SPEC that have no result file yet, JOBS at a time.
+        """Run the cells of SPEC that have no result file yet on the failure-sweep flow.
 
-        Cells with a results/NAME/CELL.json are skipped; each finished run's summary is kept there.
+        The flow runs on the embedded stack (ephemeral Prefect, the registry over SQLite in the
+        study's runs folder), JOBS cells at a time; cells with a results/NAME/CELL.json are
+        skipped, and each finished cell's summary is kept there. Ends with the offline report.
 
         Exit 1 if a run failed (the others still run), 2 for a bad spec or option."""
         if jobs < 1:
             raise fail(f"--jobs must be >= 1, got {jobs}")
-
-        def stop(signum: int, frame: Any) -> None:   # SIGTERM: stop the runs as Ctrl-C does
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, stop)
-        if limit is not None and limit < 1:
-            raise fail(f"--limit must be >= 1, got {limit}")
         from crucible.config import ConfigError
 
         try:
             spec = load_spec(spec_path)
+            spec = for_run(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec))
             if not dry_run:
                 _check_machine(spec, memory_check=not skip_memory_check)
                 if not allow_mixed_cpus:
                     check_same_cpu(spec)
-            command = ((lambda spec, cell: [*run_command(spec, cell), "--skip-memory-check"])
-                       if skip_memory_check else None)
-            outcome = run_study(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec), limit=limit,
-                                dry_run=dry_run, echo=typer.echo, command=command)
+            cells = expand_cells(spec)
+            done, todo = completed_cells(spec, cells)
+            adopted = adopt_results(spec, todo, write=not dry_run)
         except (StudyError, ConfigError) as exc:
             raise fail(str(exc)) from None
-        if outcome.interrupted:
-            raise typer.Exit(code=130)
-        if outcome.failed:
+        if adopted:
+            typer.echo(f"study {spec.name}: {len(adopted)} cells taken from identical runs of "
+                       + ", ".join(sorted(set(adopted.values()))))
+        todo = [cell for cell in todo if cell.id not in adopted]
+        typer.echo(f"study {spec.name}: {len(cells)} cells, {len(cells) - len(todo)} already in "
+                   f"{spec.shown(spec.results_dir)} (skipped), {len(todo)} to run"
+                   + ("" if dry_run or not todo else f", {jobs} at a time"))
+        if dry_run:
+            for cell in todo:
+                typer.echo(f"  {cell.id}: crucible run --preset {spec.preset} "
+                           + " ".join(f"--set {o}" for o in cell.overrides(spec)))
+            return
+        if not todo:
+            return
+        from flows.embedded import run_sweep_embedded
+
+        report = run_sweep_embedded(spec, spec.runs_dir, skip_memory_check=skip_memory_check)
+        kept = len(completed_cells(spec, cells)[0])
+        if report.outcome is not None:
+            typer.echo(f"study {spec.name}: {report.outcome['completed']} ran, "
+                       f"{report.outcome['failed']} failed; {kept} of {len(cells)} cells in "
+                       f"{spec.shown(spec.results_dir)}")
+        else:       # the flow failed: some cells failed (the others ran and were kept)
+            typer.echo(f"study {spec.name}: {kept} of {len(cells)} cells in "
+                       f"{spec.shown(spec.results_dir)}; failed: {report.message}", err=True)
+        typer.echo(f"registry sweep {report.sweep_id} (SQLite in {spec.shown(spec.runs_dir)})")
+        typer.echo(f"report: {report.report_path}")
+        if report.outcome is None or report.outcome["failed"]:
             raise typer.Exit(code=1)
 
     @study_app.command("render")

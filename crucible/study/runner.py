@@ -1,8 +1,8 @@
-"""The study's runner: `run_study` runs a spec's missing cells as `crucible run` subprocesses,
-`jobs` at a time, and keeps each finished run's summary in the results folder
-(`keep_result`); `adopt_results` takes cells from identical runs of the spec's `reuse` specs,
-`check_same_cpu` refuses to mix CPU models, and `load_results` reads the committed results
-back, each checked against its cell (`_expect`).
+"""A study's results: `keep_result` keeps a finished run's summary as its cell's result file
+(the `failure-sweep` flow calls it for every cell it completes: `crucible study run` runs a
+study on that flow), `adopt_results` takes cells from identical runs of the spec's `reuse`
+specs, `check_same_cpu` refuses to mix CPU models, and `load_results` reads the committed
+results back, each checked against its cell (`check_result`).
 """
 from __future__ import annotations
 
@@ -10,18 +10,12 @@ import json
 import math
 import os
 import platform
-import signal
-import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from crucible.spec import Cell, SweepSpec, expand_cells
-from crucible.study.spec import StudyError, completed_cells, load_spec, result_path
+from crucible.study.spec import StudyError, load_spec, result_path
 from crucible.summary import write_json_atomic
 
 MAX_RESULT_BYTES = 50_000
@@ -159,7 +153,7 @@ def adopt_results(spec: SweepSpec, cells: Iterable[Cell], *, write: bool = True)
                 continue
             try:
                 summary = json.loads(path.read_text(encoding="utf-8"))
-                _expect(summary, cell, path)
+                check_result(summary, cell, path)
             except (OSError, ValueError, StudyError):
                 continue
             if comparable_config(summary["config"]) != wanted:
@@ -174,141 +168,9 @@ def adopt_results(spec: SweepSpec, cells: Iterable[Cell], *, write: bool = True)
     return adopted
 
 
-def run_command(spec: SweepSpec, cell: Cell) -> list[str]:
-    """The `crucible run` command of a cell (as argv, through this Python)."""
-    argv = [sys.executable, "-c", "from crucible.cli import main; main()", "run",
-            "--preset", spec.preset, "--no-progress"]
-    for item in cell.overrides(spec):
-        argv += ["--set", item]
-    # a cell not in the results starts afresh: --overwrite drops what an interrupted attempt
-    # left in its folder, which `crucible run` would otherwise refuse (or mix into)
-    return argv + ["--out", str(spec.runs_dir / cell.id), "--overwrite"]
-
-
-def _shell_view(argv: Sequence[str]) -> str:
-    return "crucible " + " ".join(argv[3:])
-
-
-def _last_error(log: Path) -> str:
-    try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "no log"
-    for line in reversed(lines):
-        if line.startswith("error:") or "Error" in line:
-            return line.strip()[:300]
-    return lines[-1].strip()[:300] if lines else "no output"
-
-
-@dataclass
-class RunOutcome:
-    ran: list[str] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)
-    skipped: int = 0
-    interrupted: bool = False
-
-
-def run_study(spec: SweepSpec, *, jobs: int = 2, seeds: Sequence[int] | None = None,
-              limit: int | None = None, dry_run: bool = False,
-              echo: Callable[[str], None] = print,
-              command: Callable[[SweepSpec, Cell], list[str]] | None = None,
-              poll_s: float = 0.5) -> RunOutcome:
-    """Run the spec's missing cells, `jobs` at a time; see the module docstring. `command`
-    builds a cell's argv (default `run_command`). A failed run is reported and the others go
-    on; a finished run's summary is copied into the results folder."""
-    command = command or run_command
-    cells = expand_cells(spec, seeds)
-    done, todo = completed_cells(spec, cells)
-    adopted = adopt_results(spec, todo, write=not dry_run)
-    if adopted:
-        echo(f"study {spec.name}: {len(adopted)} cells taken from identical runs of "
-             + ", ".join(sorted({source for source in adopted.values()})))
-        done += [c for c in todo if c.id in adopted]
-        todo = [c for c in todo if c.id not in adopted]
-    if limit is not None:
-        todo = todo[:limit]
-    outcome = RunOutcome(skipped=len(done))
-    echo(f"study {spec.name}: {len(cells)} cells, {len(done)} already in "
-         f"{spec.shown(spec.results_dir)} (skipped), {len(todo)} to run"
-         + ("" if dry_run else f", {jobs} at a time"))
-    if dry_run:
-        for cell in todo:
-            echo(f"  {cell.id}: {_shell_view(command(spec, cell))}")
-        return outcome
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    running: dict[str, tuple[Cell, subprocess.Popen[bytes], float, Path, Any]] = {}
-    queue = list(todo)
-    finished = 0
-    durations: list[float] = []
-    try:
-        while queue or running:
-            while queue and len(running) < jobs:
-                cell = queue.pop(0)
-                out = spec.runs_dir / cell.id
-                out.parent.mkdir(parents=True, exist_ok=True)
-                (out / "summary.json").unlink(missing_ok=True)   # never keep a stale one
-                log = spec.runs_dir / f"{cell.id}.log"
-                fh = open(log, "wb")   # closed when the run ends
-                proc = subprocess.Popen(command(spec, cell), stdout=fh, stderr=subprocess.STDOUT,
-                                        env=env, cwd=spec.root, start_new_session=True)
-                running[cell.id] = (cell, proc, time.monotonic(), log, fh)
-            time.sleep(poll_s)
-            for cell_id in [cid for cid, item in running.items() if item[1].poll() is not None]:
-                cell, proc, started, log, fh = running.pop(cell_id)
-                fh.close()
-                seconds = time.monotonic() - started
-                finished += 1
-                prefix = f"[{finished:>3}/{len(todo)}] {cell.id:<36} {seconds:7.1f} s"
-                summary_file = spec.runs_dir / cell.id / "summary.json"
-                problem = None
-                summary: dict[str, Any] = {}
-                if proc.returncode != 0:
-                    problem = f"exit {proc.returncode}: {_last_error(log)}"
-                else:
-                    try:
-                        summary = json.loads(summary_file.read_text())
-                        _expect(summary, cell, summary_file)
-                    except (OSError, ValueError) as exc:
-                        problem = f"no usable {summary_file}: {exc}"
-                    except StudyError as exc:
-                        problem = str(exc)
-                if problem is not None:
-                    outcome.failed.append((cell.id, problem))
-                    echo(f"{prefix}  FAILED ({problem}); log: {spec.shown(log)}")
-                    continue
-                kept = keep_result(spec, cell, summary, jobs=jobs)
-                outcome.ran.append(cell.id)
-                durations.append(seconds)
-                left = len(queue) + len(running)
-                eta = statistics.fmean(durations) * left / max(jobs, 1)
-                dropped = json.loads(kept.read_text())["study"]["dropped_fields"]
-                echo(f"{prefix}  final val loss {summary['final_val_loss']:.4f}"
-                     + (f"  (~{eta / 60:.0f} min left)" if left else "")
-                     + (f"  [kept without {', '.join(dropped)}: over "
-                        f"{MAX_RESULT_BYTES // 1000} KB]" if dropped else ""))
-    except KeyboardInterrupt:
-        outcome.interrupted = True
-        for cell, proc, _, _, fh in running.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            fh.close()
-            echo(f"interrupted: {cell.id} stopped (no result kept)")
-    echo(f"study {spec.name}: {len(outcome.ran)} ran, {len(outcome.failed)} failed, "
-         f"{outcome.skipped} skipped (already done)"
-         + ("; interrupted, run again to continue" if outcome.interrupted else ""))
-    for cell_id, problem in outcome.failed:
-        echo(f"  failed: {cell_id}: {problem}")
-    return outcome
-
-
-def _expect(summary: Mapping[str, Any], cell: Cell, path: Path) -> None:
+def check_result(summary: Mapping[str, Any], cell: Cell, path: Path) -> None:
+    """Refuse (StudyError) a summary that is not a usable result of `cell`: another cell's,
+    or one lacking what the document reads."""
     cfg = summary.get("config")
     if not isinstance(cfg, dict):
         raise StudyError(f"{path}: no `config` object; is this a crucible summary.json?")
@@ -343,6 +205,6 @@ def load_results(spec: SweepSpec) -> dict[str, dict[str, Any]]:
         except (OSError, ValueError) as exc:
             raise StudyError(f"{path}: not readable JSON ({exc}); delete it and run the cell "
                              "again") from None
-        _expect(summary, cell, path)
+        check_result(summary, cell, path)
         found[cell.id] = summary
     return found

@@ -273,68 +273,35 @@ def test_completed_cells_are_skipped(spec: SweepSpec) -> None:
     assert {c.id for c in done} == {"ssn-base-s0", "ssn-base-s1", "ssn-base-s2",
                                     "ssn-skip-p0.1-s0", "ssn-skip-p0.1-s1"}
     assert len(done) + len(todo) == len(cells)
-    lines: list[str] = []
-    outcome = study.run_study(spec, dry_run=True, echo=lines.append)
-    assert outcome.skipped == 5
-    assert "5 already in results/t (skipped)" in lines[0]
+    result = CliRunner().invoke(cli_app(), ["study", "run", str(spec.path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert f"{len(cells) - 5} to run" in lines[0] and "5 already in results/t (skipped)" in lines[0]
     assert not any("ssn-skip-p0.1-s0:" in line for line in lines)
-    assert any("ssn-skip-p0.1-s2:" in line for line in lines)
-
-
-_FAKE_RUN = """
-import json, sys
-from pathlib import Path
-args = sys.argv[1:]
-out = Path(args[args.index('--out') + 1])
-pairs = [args[i + 1] for i, a in enumerate(args) if a == '--set']
-sets = dict(p.split('=', 1) for p in pairs)
-if sets['pipeline.compression'] == 'mapl' and float(sets['faults.p']) != 0:
-    print('error: boom', file=sys.stderr); sys.exit(1)
-cfg = {'pipeline': {'compression': sets['pipeline.compression']},
-       'faults': {'p': float(sets['faults.p']), 'strategy': sets['faults.strategy']},
-       'seed': int(sets['seed'])}
-out.mkdir(parents=True, exist_ok=True)
-(out / 'summary.json').write_text(json.dumps({'config': cfg, 'final_val_loss': 2.0,
-    'tokens_processed': 1, 'tokens_budget': 1, 'wall_s': 0.1, 'faults': ['x' * 100] * 1000}))
-"""
-
-
-def test_runner_copies_results_reports_failures_and_skips_on_rerun(tmp_path: Path) -> None:
-    path = write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0, 1]\n[[grid]]\n'
-                                'arms=["none", "mapl"]\nstrategies=["skip"]\np=[0.1]\n')
-    spec = study.load_spec(path)
-
-    def command(spec: SweepSpec, cell: Cell) -> list[str]:
-        return [sys.executable, "-c", _FAKE_RUN, *study.run_command(spec, cell)[4:]]
-
-    lines: list[str] = []
-    outcome = study.run_study(spec, jobs=2, command=command, echo=lines.append, poll_s=0.05)
-    assert sorted(outcome.ran) == ["mapl-base-s0", "mapl-base-s1", "none-base-s0",
-                                   "none-base-s1", "none-skip-p0.1-s0", "none-skip-p0.1-s1"]
-    assert sorted(c for c, _ in outcome.failed) == ["mapl-skip-p0.1-s0", "mapl-skip-p0.1-s1"]
-    assert any("FAILED (exit 1: error: boom)" in line for line in lines)
-    kept = json.loads((spec.results_dir / "none-skip-p0.1-s0.json").read_text())
-    assert kept["final_val_loss"] == 2.0
-    assert "faults" not in kept                       # over 50 KB: the bulky list went
-    assert kept["study"]["dropped_fields"] == ["faults"]
-    assert kept["study"]["cell"] == "none-skip-p0.1-s0"
-    assert not list(spec.results_dir.glob(".*"))      # no temporary files left
-    lines.clear()
-    again = study.run_study(spec, jobs=2, command=command, echo=lines.append, poll_s=0.05)
-    assert again.skipped == 6 and again.ran == [] and len(again.failed) == 2
+    [line] = [line for line in lines if "ssn-skip-p0.1-s2:" in line]
+    assert line.endswith("--set faults.strategy=skip --set seed=2")
+    assert not (spec.runs_dir).exists()                 # a dry run starts nothing
 
 
 def test_cli_run_exits_1_when_a_run_fails(tmp_path: Path, monkeypatch) -> None:
+    """What the flow reported decides the exit code: a failed cell is exit 1 (the flow's own
+    failure handling is tested with the flow, tests/integration/test_flows_*)."""
+    import flows.embedded
+    from flows.embedded import SweepReport
+
     path = write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\n'
                                 'arms=["mapl"]\nstrategies=["skip"]\np=[0.1]\n')
+    seen: list[int] = []
 
-    real = study.run_command
-    monkeypatch.setattr(study.runner, "run_command",   # run_study reads it there
-                        lambda spec, cell: [sys.executable, "-c", _FAKE_RUN,
-                                            *real(spec, cell)[4:]])
-    result = CliRunner().invoke(cli_app(), ["study", "run", str(path)])
+    def flow(spec, work_dir, **_):
+        seen.append(spec.max_concurrent_runs)
+        return SweepReport("sid", tmp_path / "report.html", {}, None,
+                           "1 of 2 cells of sweep sid failed: boom")
+
+    monkeypatch.setattr(flows.embedded, "run_sweep_embedded", flow)
+    result = CliRunner().invoke(cli_app(), ["study", "run", str(path), "--jobs", "3"])
     assert result.exit_code == 1, result.output
-    assert "1 ran, 1 failed" in result.output
+    assert "failed: 1 of 2 cells of sweep sid failed: boom" in result.output and seen == [3]
 
 
 def test_slim_summary_keeps_small_summaries_whole() -> None:
@@ -622,6 +589,7 @@ def test_committed_results_document_matches_the_committed_data(name: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.slow   # ~40 s: two runs on the embedded stack (Prefect, registry), then a render
 def test_end_to_end_smoke_study(tmp_path: Path) -> None:
     path = write_spec(tmp_path, """
         name = "e2e"
@@ -637,12 +605,23 @@ def test_end_to_end_smoke_study(tmp_path: Path) -> None:
     done = subprocess.run([*CLI, "study", "run", str(path), "--jobs", "2"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 ran, 0 failed, 0 skipped" in done.stdout
-    results = sorted(p.name for p in (tmp_path / "results" / "e2e").glob("*.json"))
-    assert results == ["none-base-s0.json", "none-skip-p0.5-s0.json"]
+    assert "study e2e: 2 ran, 0 failed; 2 of 2 cells in results/e2e" in done.stdout
+    results = sorted(p.name for p in (tmp_path / "results" / "e2e").glob("*"))
+    assert results == ["none-base-s0.json", "none-skip-p0.5-s0.json"]   # no temporary files
     kept = json.loads((tmp_path / "results" / "e2e" / "none-skip-p0.5-s0.json").read_text())
     assert kept["versions"]["git_sha"] and math.isfinite(kept["final_val_loss"])
-    assert kept["config"]["faults"]["p"] == 0.5
+    assert kept["config"]["faults"]["p"] == 0.5 and "store_url" not in kept
+    assert kept["study"]["cell"] == "none-skip-p0.5-s0" and kept["study"]["jobs"] == 2
+    # the runs are in the study's registry (SQLite in its runs folder), with the same losses
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'runs' / 'study' / 'e2e' / 'registry.db'}")
+    with engine.connect() as connection:
+        stored = connection.execute(sa.text(
+            "SELECT p, status, final_val_loss FROM runs ORDER BY p")).all()
+    engine.dispose()
+    assert [(p, status) for p, status, _ in stored] == [(0.0, "completed"), (0.5, "completed")]
+    assert stored[1][2] == kept["final_val_loss"]
     again = subprocess.run([*CLI, "study", "run", str(path)], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0 and "2 already in results/e2e (skipped), 0 to run" in again.stdout

@@ -446,16 +446,20 @@ def test_identical_runs_of_a_reuse_spec_are_adopted_not_rerun(tmp_path: Path) ->
         strategies = ["skip"]
         p = [0.2]
         """, name="main.toml"))
-    ran: list[str] = []
+    from typer.testing import CliRunner
 
-    def fake_command(spec, cell):
-        ran.append(cell.id)
-        return ["false"]
+    from tests.unit.test_study import cli_app
 
-    outcome = study.run_study(main, jobs=1, command=fake_command, echo=lambda _: None,
-                              poll_s=0.01)
-    assert sorted(ran) == ["mapl-skip-p0.2-s1", "none-skip-p0.2-s2"]
-    assert outcome.skipped == 16 - 2
+    planned = CliRunner().invoke(cli_app(), ["study", "run", str(main.path), "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert "14 cells taken from identical runs of pilot-x" in planned.output
+    to_run = sorted(line.split(":")[0].strip() for line in planned.output.splitlines()
+                    if line.startswith("  "))
+    assert to_run == ["mapl-skip-p0.2-s1", "none-skip-p0.2-s2"]
+    assert not list(main.results_dir.glob("*.json"))         # a dry run writes nothing
+    study.adopt_results(main, expand_cells(main))
+    done, todo = study.completed_cells(main, expand_cells(main))
+    assert len(done) == 16 - 2 and sorted(c.id for c in todo) == to_run
     kept = json.loads((main.results_dir / "none-skip-p0.2-s0.json").read_text())
     assert kept["study"]["reused_from"] == "pilot-x" and kept["study"]["spec"] == "main"
     assert kept["final_val_loss"] == json.loads(
