@@ -449,7 +449,7 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         _, records = register_sweep(spec, known, settings)
         for item in extra:
             item.run_id, item.done = records[item.fingerprint]
-        todo = [item for item in extra if not item.done]
+        todo = [item for item in extra if not item.done and not _has_result(spec, item.cell)]
         logger.info("sweep %s, precision round %d: %d cell(s) above ±%g points get seeds; "
                     "%d run(s)", sweep_id, number, len(wanted), spec.target_half_width,
                     len(todo))

@@ -4,7 +4,7 @@ docstring) into the one spec model, `crucible.spec.SweepSpec`, with its files re
 are there. The cells themselves are the spec's (`crucible.spec.expand_cells`).
 
 The TOML's keys are the model's (those a study's runner honours: name, preset, seeds, grid,
-duration, global_steps, title, notes and the claims' margins and target), with two of the
+duration, global_steps, max_seeds, title, notes and the claims' margins and target), with two of the
 study's own names: `set` (the model's `overrides`) and `resolve_threshold` (its
 `target_half_width`, the half-width a study lists as not resolved); a grid block's `set` is its
 baseline-neutral overrides. The other keys say where its files are (`StudyFiles`). A study's cells take the
@@ -29,7 +29,7 @@ DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "studies" / "table1.toml"
 _RENAMED = {"set": "overrides", "resolve_threshold": "target_half_width"}
 _MODEL_KEYS = {"name", "preset", "seeds", "set", "grid", "title", "notes", "close_margin",
                "resolve_threshold", "target_half_width", "equivalence_margin", "duration",
-               "global_steps"}
+               "global_steps", "max_seeds"}
 _FILE_KEYS = {"results_dir", "runs_dir", "document", "figures_dir"}
 _SPEC_LISTS = {"pilots": '["pilot-w128-lr2.toml"]',
                "token_check": '["pilot-half.toml", "pilot-full.toml"]',

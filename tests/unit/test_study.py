@@ -629,3 +629,49 @@ def test_end_to_end_smoke_study(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
     assert rendered.returncode == 0, rendered.stderr
     assert "n=1, no interval" in (tmp_path / "docs" / "RESULTS.md").read_text()
+    # the flow's cell is the computation `crucible run` makes of it, to the bit
+    spec = study.load_spec(path)
+    [cell] = [c for c in expand_cells(spec) if c.id == "none-skip-p0.5-s0"]
+    alone = tmp_path / "alone"
+    solo = subprocess.run([*CLI, "run", "--preset", "smoke", "--no-progress", "--out", str(alone),
+                           *[a for o in cell.overrides(spec) for a in ("--set", o)]],
+                          capture_output=True, text=True, timeout=300)
+    assert solo.returncode == 0, solo.stderr
+    assert json.loads((alone / "summary.json").read_text())["final_val_loss"] \
+        == kept["final_val_loss"]
+
+
+@pytest.mark.slow   # ~60 s: a study with a precision round on the embedded stack
+def test_study_run_adds_seeds_by_precision_into_results_and_the_registry(tmp_path: Path) -> None:
+    """max_seeds in a study: after seeds 0 and 1, every cell wider than the (tiny) target
+    gets seed 2 and its baseline in the same `study run`; each lands in results/ and the
+    study's registry, and a second `study run` runs nothing."""
+    path = write_spec(tmp_path, """
+        name = "prec"
+        preset = "smoke"
+        seeds = [0, 1]
+        max_seeds = 3
+        target_half_width = 0.001
+        set = ["train.global_steps=2", "train.eval_every=2", "train.eval_tokens=2048",
+               "train.warmup_steps=1"]
+        [[grid]]
+        arms = ["none"]
+        strategies = ["skip"]
+        p = [0.5]
+    """)
+    done = subprocess.run([*CLI, "study", "run", str(path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = sorted(p.stem for p in (tmp_path / "results" / "prec").glob("*.json"))
+    assert results == [f"none-{c}-s{s}" for c in ("base", "skip-p0.5") for s in (0, 1, 2)]
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'runs' / 'study' / 'prec' / 'registry.db'}")
+    with engine.connect() as connection:
+        seeds = connection.execute(sa.text(
+            "SELECT p, seed FROM runs WHERE status = 'completed' ORDER BY p, seed")).all()
+    engine.dispose()
+    assert [tuple(row) for row in seeds] == [(p, s) for p in (0.0, 0.5) for s in (0, 1, 2)]
+    again = subprocess.run([*CLI, "study", "run", str(path)], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0 and "0 to run" in again.stdout
