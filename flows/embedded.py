@@ -157,6 +157,12 @@ class SweepReport:
     message: str | None
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None = None,
                        *, torch_threads: int | None = 1,
                        skip_memory_check: bool = False) -> SweepReport:
@@ -174,6 +180,12 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
         threads["CRUCIBLE_SKIP_MEMORY_CHECK"] = "true"
     with embedded_registry(work_dir) as registry, embedded_prefect(work_dir), \
             flow_environment(registry.api_url, registry.token, work_dir, extra=threads):
+        if torch_threads and not _has_cuda():
+            # this Prefect database is the stack's own: on a CPU-only host, as many one-thread
+            # cells train at once as the sweep runs (one slot would run them one at a time)
+            from flows.gpu import set_gpu_limit
+
+            set_gpu_limit(spec.max_concurrent_runs)
         state = failure_sweep(spec=spec, return_state=True)
         outcome = state.result(raise_on_failure=False) if state.is_completed() else None
         with ApiClient(registry.api_url, registry.token) as client:

@@ -33,7 +33,10 @@ from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.actions import (
+    GlobalConcurrencyLimitCreate,
+    GlobalConcurrencyLimitUpdate,
+)
 from prefect.concurrency._leases import maintain_concurrency_lease
 from prefect.concurrency._sync import (
     acquire_concurrency_slots_with_lease,
@@ -42,7 +45,7 @@ from prefect.concurrency._sync import (
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 # (private modules above: the public `concurrency()` never tells the lease id a hook releases)
-__all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "gpu_slot",
+__all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "set_gpu_limit", "gpu_slot",
            "claim_device_index", "slot_holders", "release_slots"]
 
 _log = logging.getLogger(__name__)
@@ -86,6 +89,18 @@ def ensure_gpu_limit(name: str | None = None, slots: int | None = None) -> int:
             return wanted
         except ObjectAlreadyExists:  # another run on this host created it first
             return client.read_global_concurrency_limit_by_name(name).limit
+
+
+def set_gpu_limit(slots: int, name: str | None = None) -> None:
+    """Make this host's limit `slots` slots, creating or changing it: for a Prefect database of
+    one's own (the embedded stack's), where a CPU-only host trains several one-thread runs at
+    once. A shared server's limit is the operator's: never call this against one."""
+    name = name or gpu_limit_name()
+    if ensure_gpu_limit(name, slots) != slots:
+        with get_client(sync_client=True) as client:
+            client.update_global_concurrency_limit(
+                name, GlobalConcurrencyLimitUpdate(limit=slots))
+        _log.info("set global concurrency limit %s to %d slot(s)", name, slots)
 
 
 @contextmanager
