@@ -107,6 +107,32 @@ def _print_table(table: dict[str, Any], title: str) -> None:
     Console().print(view)
 
 
+def claim_lines(claims: dict[str, Any] | None) -> list[str]:
+    """The claims a sweep speaks to (those with a comparison run), each comparison's paired 95%
+    interval and what it says. A comparison whose interval the noise leaves open reads
+    "unresolved", with the seeds that would decide it if its mean and sd held: never a finding."""
+    if not claims:
+        return []
+    lines = []
+    for claim in claims["claims"]:
+        if claim["verdict"] == "not run yet":
+            continue
+        lines.append(f"({claim['tag']}) {claim['title']}: {claim['verdict']}")
+        for c in claim["comparisons"]:
+            if c["status"] == "missing" or c["mean"] is None:
+                continue
+            n = c["n_seeds"]
+            interval = (f"[{c['ci_low']:+.2f}, {c['ci_high']:+.2f}]"
+                        if c["ci_low"] is not None else "(no interval)")
+            more = (f"; about {c['seeds_to_decide']} seeds would decide it"
+                    if c["status"] == "unresolved" and c.get("seeds_to_decide") else "")
+            lines.append(f"    {c['label']}: {c['mean']:+.2f} points {interval}, "
+                         f"{n} seed{'' if n == 1 else 's'}: {c['status']}{more}")
+    if lines:
+        lines.insert(0, "claims, on paired 95% intervals (points of the baseline's loss):")
+    return lines
+
+
 def _check_here(spec: Any, work_dir: Path, out: Path | None, *, memory_check: bool) -> None:
     """The embedded sweep trains here: refuse (ConfigError) a cell this machine cannot run and
     output locations that cannot be written, before Prefect or the registry start."""
@@ -189,6 +215,8 @@ def sweep(
     # Prefect logs its server shutdown at exit; keep `report: PATH` the last line
     logging.getLogger("prefect").setLevel(logging.WARNING)
     _print_table(result.table, f"{spec.name}: val-loss increase (%) vs p=0 [95% CI]")
+    for line in claim_lines(result.claims):
+        typer.echo(line)
     if result.message:
         typer.echo(f"some cells failed: {result.message}", err=True)
     typer.echo(RESULTS_POINTER)

@@ -155,6 +155,7 @@ class SweepReport:
     table: dict[str, Any]
     outcome: dict[str, Any] | None     # None when the sweep flow failed (some cells failed)
     message: str | None
+    claims: dict[str, Any] | None = None   # GET /sweeps/{id}/claims; None with several durations
 
 
 def _has_cuda() -> bool:
@@ -195,7 +196,20 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
                 state.result()          # re-raises why the sweep could not even start
                 raise RuntimeError("the sweep flow failed before registering the sweep")
             table = client.table(sweep_id)
+            claims = _claims(client, sweep_id)
         path = report_path or work_dir / f"report-{sweep_id[:8]}.html"
         write_report(sweep_id, path, database_url=registry.database_url)
     return SweepReport(sweep_id, path.resolve(), table, outcome,
-                       None if outcome else (state.message or "the sweep failed"))
+                       None if outcome else (state.message or "the sweep failed"), claims)
+
+
+def _claims(client: Any, sweep_id: str) -> dict[str, Any] | None:
+    """The sweep's claims, or None where it has none (422: several failure durations)."""
+    from crucible.registry_client import ApiError, ApiUnavailable
+
+    try:
+        return dict(client.claims(sweep_id))
+    except ApiError as exc:
+        if isinstance(exc, ApiUnavailable) or exc.status_code != 422:
+            raise
+        return None

@@ -26,3 +26,9 @@ def test_demo_sweep_writes_the_report_and_prints_its_path_last(tmp_path: Path) -
     assert "mapl" in html.lower() and "ssn" in html.lower()     # both arms are on the page
     for column in ("ssn/skip", "ssn/drop", "mapl/skip", "mapl/drop"):
         assert column in result.stdout            # the printed robustness table
+    # the claims it speaks to, each comparison as it stands: one seed is no interval, and no
+    # verdict either way
+    lines = result.stdout.splitlines()
+    [claim] = [line for line in lines if line.startswith("(a) skip costs less than drop")]
+    assert claim.endswith(": not resolved")
+    assert any("(no interval), 1 seed: unresolved" in line for line in lines)

@@ -94,3 +94,28 @@ def test_flows_link_to_the_pages_the_dashboards_serve() -> None:
 
     assert run_page(settings, "r1") == served(RUN_PATH, "r1")
     assert sweep_page(settings, "s1") == served(SWEEP_PATH, "s1")
+
+
+def test_claim_lines_say_unresolved_and_what_would_decide_it() -> None:
+    from flows.cli import claim_lines
+
+    def comparison(label, status, mean, lo, hi, n, decide=None):
+        return {"label": label, "status": status, "mean": mean, "ci_low": lo, "ci_high": hi,
+                "n_seeds": n, "seeds_to_decide": decide}
+
+    claims = {"claims": [
+        {"tag": "a", "title": "skip costs less than drop at every p", "verdict": "not resolved",
+         "comparisons": [comparison("SSN skip - drop, p = 0.1", "unresolved", -1.5, -4.0, 1.0,
+                                    3, decide=9),
+                         comparison("MAPL skip - drop, p = 0.1", "unresolved", -2.0, None, None,
+                                    1),
+                         comparison("none skip - drop, p = 0.1", "missing", None, None, None, 0)]},
+        {"tag": "b", "title": "degradation grows with p", "verdict": "not run yet",
+         "comparisons": []}]}
+    assert claim_lines(claims) == [
+        "claims, on paired 95% intervals (points of the baseline's loss):",
+        "(a) skip costs less than drop at every p: not resolved",
+        "    SSN skip - drop, p = 0.1: -1.50 points [-4.00, +1.00], 3 seeds: unresolved; "
+        "about 9 seeds would decide it",
+        "    MAPL skip - drop, p = 0.1: -2.00 points (no interval), 1 seed: unresolved"]
+    assert claim_lines(None) == [] and claim_lines({"claims": claims["claims"][1:]}) == []
