@@ -15,7 +15,8 @@ fields (see `field_names`), so their schemas require none.
 Numbers are strict, as JSON Schema reads the published types: an `integer` field takes a JSON
 integer or a whole number written as a float (`3.0`), a `number` field takes any JSON number;
 strings ("1.5") and booleans are refused. Error bodies have one shape, `ErrorResponse`, for every
-4xx/5xx the API sends.
+4xx/5xx the API sends. The sweep analysis responses (robustness, claims, Table 1) are
+`api.analysis_schemas`'s.
 """
 from __future__ import annotations
 
@@ -54,8 +55,7 @@ __all__ = [
     "EventKind", "EVENT_KIND_HELP", "SweepCreate", "SweepUpdate", "SweepPublic", "RunCreate",
     "RunUpdate",
     "RunPublic", "MetricIn", "MetricPublic", "EventIn", "EventPublic", "MetricBatch",
-    "EventBatch", "BatchResult", "Page", "RobustnessItem", "MissingBaseline", "RobustnessPublic",
-    "TableCell", "TableRow", "TablePublic", "Health", "Readiness", "ErrorItem", "ErrorResponse",
+    "EventBatch", "BatchResult", "Page", "Health", "Readiness", "ErrorItem", "ErrorResponse",
     "check_text", "TAG_PATTERN", "MAX_TAGS", "MAX_NOTES", "Tags", "RunFields", "SweepFields",
     "field_names",
 ]
@@ -427,100 +427,6 @@ class Page(BaseModel, Generic[T]):
     items: list[T]
     next_cursor: str | None = Field(description="pass as ?cursor= for the next page; "
                                                 "null on the last page")
-
-
-class RobustnessItem(BaseModel):
-    compression: str
-    strategy: str
-    label: str = Field(description="the study block of the cell ('' for unlabelled cells; the "
-                                   "blog's claims read only those)")
-    duration: int
-    p: float
-    mean_pct: float
-    ci_low_pct: float | None = Field(description="null with a single seed")
-    ci_high_pct: float | None
-    n_seeds: int
-    seeds: list[int]
-    run_ids: list[str]
-
-
-class MissingBaseline(BaseModel):
-    compression: str
-    seed: int
-    duration: int
-
-
-class RobustnessPublic(BaseModel):
-    sweep_id: uuid.UUID
-    items: list[RobustnessItem]
-    missing_baselines: list[MissingBaseline]
-    pending_runs: int
-    failed_runs: int
-
-
-class ClaimComparison(BaseModel):
-    label: str = Field(description="what is compared, e.g. \"SSN - MAPL, p = 0.1\"")
-    status: Literal["supports", "contradicts", "unresolved", "missing"]
-    mean: float | None = Field(description="points (percent of the baseline's loss); null "
-                                           "before any seed")
-    sd: float | None = Field(description="sd over seeds; null below 2 seeds")
-    ci_low: float | None = Field(description="95% Student-t interval over seeds; null below 2")
-    ci_high: float | None
-    half_width: float | None
-    n_seeds: int
-    seeds: list[int]
-    margin: float | None = Field(description="band rules: the band's half-width; sign rules: "
-                                             "null")
-    reference: float | None = Field(description="the blog's value of the same quantity, where "
-                                                "it gives one")
-    within_target: bool | None = Field(description="half_width <= the target half-width")
-    seeds_for_target: int | None = Field(description="seeds its measured sd says a "
-                                                     "±target interval needs")
-    seeds_to_decide: int | None = Field(description="unresolved comparisons: seeds after which "
-                                                    "the interval decides, if the mean and sd "
-                                                    "stay as measured")
-
-
-class ClaimOut(BaseModel):
-    tag: str
-    title: str
-    blog: str = Field(description="what the blog reports")
-    quantity: str
-    rule: str = Field(description="how the verdict follows from the intervals")
-    verdict: Literal["agrees", "disagrees", "not resolved", "not run yet"]
-    counts: dict[str, int]
-    seeds_to_decide: int | None = Field(description="seeds that would decide every unresolved "
-                                                    "comparison; null when none is unresolved")
-    comparisons_beyond_max_seeds: int | None
-    max_seeds: int
-    comparisons: list[ClaimComparison]
-
-
-class ClaimsPublic(BaseModel):
-    sweep_id: uuid.UUID
-    duration: int | None = Field(description="the failure duration the claims are decided at")
-    close_margin: float
-    equivalence_margin: float
-    target_half_width: float
-    claims: list[ClaimOut]
-
-
-class TableCell(BaseModel):
-    mean_pct: float
-    ci_low_pct: float | None
-    ci_high_pct: float | None
-    n_seeds: int
-
-
-class TableRow(BaseModel):
-    p: float
-    cells: dict[str, TableCell | None]
-
-
-class TablePublic(BaseModel):
-    sweep_id: uuid.UUID
-    columns: list[str]
-    rows: list[TableRow]
 
 
 class ErrorItem(BaseModel):

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from crucible.config import Config
-from crucible.gather import Manifest, load_agreed, manifest_limit
+from crucible.gather import load_agreed
+from crucible.manifest import Manifest, manifest_limit
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import decode_contribution, decode_dense, tensor_norm_ratios
 from crucible.store import open_store

@@ -49,19 +49,27 @@ exactly (included, missing, rejected with their reasons, sizes, digests), so eve
 outliers against the round's median included, is taken on the set the writer saw. The price:
 a dishonest peer can also leave an honest contribution out of one round by writing the
 manifest early (it cannot add or change one).
+
+The manifest itself (the `Manifest` type, its JSON form and self-consistency checks, its size
+bound and its events) is `crucible.manifest`'s; this module derives, writes and agrees on it.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from crucible.events import MAX_DETAIL_TEXT, Event, detail_text, event_id
+from crucible.events import MAX_DETAIL_TEXT, detail_text
+from crucible.manifest import (
+    MAX_STRANGERS,
+    InvalidManifest,
+    Manifest,
+    Rejection,
+    manifest_limit,
+)
 from crucible.sparseloco import Contribution, InvalidContribution, run_tag, tensor_norm_ratios
 from crucible.store import (
     InvalidObject,
@@ -72,15 +80,12 @@ from crucible.store import (
     validate_key,
 )
 
-__all__ = ["Manifest", "Rejection", "InvalidManifest", "contribution_key", "manifest_key",
-           "upload_contribution", "agree", "load_agreed", "manifest_events", "prune_rounds",
-           "MANIFEST_VERSION", "MAX_MANIFESTS", "manifest_limit"]
+__all__ = ["contribution_key", "manifest_key", "upload_contribution", "agree", "load_agreed",
+           "prune_rounds", "MAX_MANIFESTS"]
 
 log = logging.getLogger(__name__)
-MANIFEST_VERSION = 2
 MAX_MANIFESTS = 8                    # manifest.json, then manifest-1.json .. manifest-7.json
 _SETTLE_ATTEMPTS, _SETTLE_BACKOFF_S = 5, 0.1   # a manifest key taken, not yet readable: 1.5 s
-_MAX_STRANGERS = 16                  # objects of replicas outside the run recorded per round
 _REPLICA_NAME = re.compile(r"replica-(0|[1-9][0-9]{0,8})")
 _MANIFEST_NAME = re.compile(r"manifest(-[1-9][0-9]*)?\.json")
 _ROUND = re.compile(r"([0-9]{8})/")
@@ -88,10 +93,6 @@ Decode = Callable[[bytes], Contribution]
 # Validates a round's blobs at once: per blob, what `Decode` returns for it or the
 # InvalidContribution it raises.
 DecodeMany = Callable[[Sequence[bytes]], Sequence[Contribution | InvalidContribution]]
-
-
-class InvalidManifest(ValueError):
-    """A manifest object cannot be used; `reason` says why."""
 
 
 def _stage_prefix(run: str, global_step: int, stage: int) -> str:
@@ -113,109 +114,6 @@ def manifest_key(run: str, global_step: int, stage: int, *, version: int = 0) ->
         raise ValueError(f"manifest version must be in [0, {MAX_MANIFESTS}), got {version}")
     name = "manifest.json" if version == 0 else f"manifest-{version}.json"
     return f"{_stage_prefix(run, global_step, stage)}/{name}"
-
-
-def manifest_limit(replicas: int) -> int:
-    """Most bytes a manifest of a round with `replicas` replicas can take (what this module
-    writes stays under it; a larger object is refused unread)."""
-    per_entry = 64 + 2 * MAX_DETAIL_TEXT + 64   # ids, a JSON-escaped reason, size and digest
-    return 4096 + per_entry * (replicas + _MAX_STRANGERS)
-
-
-@dataclass(frozen=True)
-class Rejection:
-    replica: int
-    reason: str
-
-
-@dataclass
-class Manifest:
-    """The agreed set of one (run, global step, stage).
-
-    `included`: replicas whose contributions every peer aggregates, ascending. `rejected`: those
-    whose object was refused, with the reason. `missing`: expected replicas with no object.
-    `sizes` / `digests`: bytes and BLAKE2b-128 (hex) of each included object. Not serialised:
-    `contributions` caches the decoded contributions this process validated; `key` is where the
-    set was agreed (None: every manifest key held an invalid manifest, the stage skips its
-    outer step); `superseded` lists (key, reason) of the invalid manifests passed over.
-    """
-
-    run: str
-    global_step: int
-    stage: int
-    expected: list[int]
-    included: list[int]
-    rejected: list[Rejection]
-    missing: list[int]
-    sizes: dict[int, int] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)
-    contributions: dict[int, Contribution] = field(default_factory=dict, repr=False,
-                                                   compare=False)
-    key: str | None = field(default=None, compare=False)
-    superseded: list[tuple[str, str]] = field(default_factory=list, compare=False)
-
-    def to_json(self) -> bytes:
-        body = {"version": MANIFEST_VERSION, "run": self.run, "global_step": self.global_step,
-                "stage": self.stage, "expected": self.expected, "included": self.included,
-                "rejected": [{"replica": r.replica, "reason": r.reason} for r in self.rejected],
-                "missing": self.missing, "sizes": {str(r): n for r, n in self.sizes.items()},
-                "digests": {str(r): d for r, d in self.digests.items()}}
-        return json.dumps(body, sort_keys=True).encode("utf-8")
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        """Parse a manifest and check that it is self-consistent; raises InvalidManifest
-        naming what is wrong."""
-        try:
-            body: dict[str, Any] = json.loads(data)
-            if not isinstance(body, dict) or body.get("version") != MANIFEST_VERSION:
-                version = body.get("version") if isinstance(body, dict) else None
-                raise InvalidManifest(f"manifest version {version!r} is not {MANIFEST_VERSION}")
-            manifest = cls(run=_text(body["run"]), global_step=_count(body["global_step"]),
-                           stage=_count(body["stage"]), expected=_counts(body["expected"]),
-                           included=_counts(body["included"]),
-                           rejected=[Rejection(_count(x["replica"]), _text(x["reason"]))
-                                     for x in body["rejected"]],
-                           missing=_counts(body["missing"]),
-                           sizes={_count(int(r)): _count(n) for r, n in body["sizes"].items()},
-                           digests={_count(int(r)): _text(d)
-                                    for r, d in body["digests"].items()})
-        except InvalidManifest:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise InvalidManifest(detail_text(f"unreadable manifest: {exc!r}")) from None
-        manifest._check_consistent()
-        return manifest
-
-    def _check_consistent(self) -> None:
-        rejected = [r.replica for r in self.rejected]
-        groups = (self.included, rejected, self.missing)
-        if sum(map(len, groups)) != len(set().union(*groups)):
-            raise InvalidManifest("a replica is listed twice among included, rejected, missing")
-        if not set(self.included) | set(self.missing) <= set(self.expected):
-            raise InvalidManifest("included or missing replicas outside the expected set")
-        if not set(self.expected) <= set().union(*groups):
-            raise InvalidManifest("an expected replica is neither included, rejected nor missing")
-        if set(self.sizes) != set(self.included) or set(self.digests) != set(self.included):
-            raise InvalidManifest("sizes and digests must name exactly the included replicas")
-
-
-def _count(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer")
-    return value
-
-
-def _counts(values: Any) -> list[int]:
-    if not isinstance(values, list):
-        raise ValueError(f"{values!r} is not a list")
-    return [_count(v) for v in values]
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a string")
-    return value
 
 
 def upload_contribution(store: Store, run: str, global_step: int, stage: int, replica: int,
@@ -282,11 +180,11 @@ def _build(store: Store, rnd: _Round, decode: Decode, decode_many: DecodeMany | 
             reject(replica, rnd.idle[replica])
         elif replica not in rnd.expected:
             strangers += 1
-            if strangers <= _MAX_STRANGERS:
+            if strangers <= MAX_STRANGERS:
                 reject(replica, f"replica {replica} is not in the expected set {rnd.expected}")
             else:
                 log.warning("ignoring %r: more than %d objects of unknown replicas", key,
-                            _MAX_STRANGERS)
+                            MAX_STRANGERS)
         elif size > rnd.max_blob_bytes:
             reject(replica, _too_large(size, rnd))
         else:
@@ -510,23 +408,6 @@ def _load_one(store: Store, manifest: Manifest, replica: int, decode: Decode) ->
     if contribution is None:
         raise InvalidManifest(f"agreed contribution {key!r} no longer validates: {reason}")
     return contribution
-
-
-def manifest_events(manifest: Manifest, *, absent_ok: Sequence[int] = ()) -> list[Event]:
-    """Events of a manifest for the trainer's callback: `manifest_rejected` for each invalid
-    manifest passed over (detail: key, reason), `contribution_rejected` and
-    `contribution_missing`. Replicas in `absent_ok` (e.g. whose stage was down by design)
-    raise no missing event."""
-    g, stage = manifest.global_step, manifest.stage
-    events = [Event(kind="manifest_rejected", global_step=g, stage=stage,
-                    detail={"key": key, "reason": reason},
-                    id=event_id("manifest_rejected", g, None, stage, ordinal))
-              for ordinal, (key, reason) in enumerate(manifest.superseded)]
-    events += [Event(kind="contribution_rejected", global_step=g, replica=r.replica, stage=stage,
-                     detail={"reason": r.reason}) for r in manifest.rejected]
-    events += [Event(kind="contribution_missing", global_step=g, replica=r, stage=stage,
-                     detail={}) for r in manifest.missing if r not in absent_ok]
-    return events
 
 
 def prune_rounds(store: Store, run: str, *, keep_from: int) -> int:

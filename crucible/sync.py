@@ -25,7 +25,8 @@ from crucible import boundary
 from crucible.config import Config
 from crucible.errors import TrainingDiverged
 from crucible.events import Event
-from crucible.gather import agree, load_agreed, manifest_events, prune_rounds, upload_contribution
+from crucible.gather import agree, load_agreed, prune_rounds, upload_contribution
+from crucible.manifest import manifest_events
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import (
     OuterSGD,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, get_args
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from api import crud
+from api import analysis, crud, records
 from api.errors import InvalidInputError, NotFoundError
 from api.schemas import (
     TAG_PATTERN,
@@ -74,8 +74,8 @@ def _event_dict(event: Event) -> dict[str, Any]:
 
 
 def _val_loss(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
-    rows = _all_pages(lambda cursor: crud.list_metrics(session, run_id=run_id, name="val_loss",
-                                                       limit=_PAGE, cursor=cursor))
+    rows = _all_pages(lambda cursor: records.list_metrics(session, run_id=run_id, name="val_loss",
+                                                          limit=_PAGE, cursor=cursor))
     return [_metric_dict(m) for m in rows]
 
 
@@ -88,10 +88,10 @@ def sweep_view(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
     sweep = SweepPublic.model_validate(crud.get_sweep(session, sweep_id=sweep_id))
     runs = _all_pages(lambda cursor: crud.list_runs(session, sweep_id=sweep_id, limit=_PAGE,
                                                     cursor=cursor))
-    robustness = crud.sweep_robustness(session, sweep_id=sweep_id)
-    table = crud.sweep_table(session, sweep_id=sweep_id)
+    robustness = analysis.sweep_robustness(session, sweep_id=sweep_id)
+    table = analysis.sweep_table(session, sweep_id=sweep_id)
     try:
-        claims: dict[str, Any] = {**crud.sweep_claims(session, sweep_id=sweep_id),
+        claims: dict[str, Any] = {**analysis.sweep_claims(session, sweep_id=sweep_id),
                                   "sweep_id": str(sweep_id)}
     except InvalidInputError as exc:     # several failure durations: no one set of claims
         claims = {"sweep_id": str(sweep_id), "claims": [], "error": str(exc)}
@@ -137,8 +137,8 @@ def run_view(session: Session, *, run_id: uuid.UUID) -> dict[str, Any]:
     Raises `api.errors.NotFoundError` for an unknown run.
     """
     run = crud.get_run(session, run_id=run_id)
-    events = _all_pages(lambda cursor: crud.list_events(session, run_id=run_id, limit=_PAGE,
-                                                        cursor=cursor), cap=MAX_EVENTS)
+    events = _all_pages(lambda cursor: records.list_events(session, run_id=run_id, limit=_PAGE,
+                                                           cursor=cursor), cap=MAX_EVENTS)
     baseline, baseline_metrics = None, []
     if run.baseline_run_id is not None and run.baseline_run_id != run.id:
         base = crud.get_run(session, run_id=run.baseline_run_id)

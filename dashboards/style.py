@@ -3,13 +3,23 @@
 Colours come from the Okabe-Ito palette (safe for the common colour-vision deficiencies; its
 yellow is left out because it vanishes on white). Compression arms get colours, mitigation
 strategies get dash styles and marker symbols, so a curve stays identifiable in greyscale too.
+
+Also what every figure module (`dashboards.figures`, `.timeline`, `.accounting`) shares: the
+failure-rate axis title and the baseline's label, the order arms x strategies are drawn in
+(`group_order`), the finite-number test applied before plotting (`finite`), and the legend under
+the plot (`legend_below`).
 """
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 
 __all__ = ["OKABE_ITO", "STRATEGY_DASH", "STRATEGY_SYMBOL", "STRATEGY_PATTERN", "arm_color",
-           "arm_label", "series_name", "rgba", "base_layout", "empty_figure", "STRATEGY_ORDER"]
+           "arm_label", "series_name", "rgba", "base_layout", "empty_figure", "STRATEGY_ORDER",
+           "P_AXIS_TITLE", "BASELINE_LABEL", "finite", "group_order", "legend_below"]
 
 # Okabe-Ito without yellow (#F0E442), ordered for contrast between neighbours.
 OKABE_ITO: tuple[str, ...] = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00",
@@ -88,3 +98,51 @@ def empty_figure(*, title: str, message: str, height: int = 300) -> go.Figure:
     )
     return fig
 
+
+P_AXIS_TITLE = "Failure probability per replica per global step (%)"
+# a baseline (p = 0) has no strategy of its own (the registry stores None); it is drawn with each
+# strategy of its arm, and under this name only when its arm has no failure run yet
+BASELINE_LABEL = "baseline"
+_ARM_ORDER = ("none", "ssn", "mapl")
+
+
+def finite(value: Any) -> bool:
+    """True for an int or float that is finite (bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def group_order(key: tuple[str, str]) -> tuple[int, str, int, str]:
+    """Known arms first in a fixed order, then strategies in the study's order."""
+    arm, strategy = key
+    arm_rank = _ARM_ORDER.index(arm) if arm in _ARM_ORDER else len(_ARM_ORDER)
+    strat_rank = STRATEGY_ORDER.index(strategy) if strategy in STRATEGY_ORDER else len(STRATEGY_ORDER)
+    return (arm_rank, arm, strat_rank, strategy)
+
+
+# Room for a legend under the plot: its entries wrap at this width (a figure in the page's
+# two-column grid is about this wide; a full-width one just wraps less than planned).
+_LEGEND_WIDTH_PX = 560
+_LEGEND_ROW_PX = 24
+_CHAR_PX = 7.5  # a 13 px system-ui character, generously
+
+
+def _legend_rows(names: Sequence[str]) -> int:
+    """How many rows a horizontal legend of `names` takes at _LEGEND_WIDTH_PX."""
+    rows, used = 1, 0.0
+    for name in names:
+        width = 40 + _CHAR_PX * len(name)  # symbol, gap and text
+        if used and used + width > _LEGEND_WIDTH_PX:
+            rows, used = rows + 1, 0.0
+        used += width
+    return rows
+
+
+def legend_below(fig: go.Figure) -> None:
+    """A horizontal legend under the x-axis title (anchored to the container, not the axes),
+    with a bottom margin sized to its entries so it never overlaps the title or is cut off."""
+    names = [str(t.name) for t in fig.data if t.showlegend is not False and t.name]
+    extra = _LEGEND_ROW_PX * _legend_rows(names)
+    fig.update_layout(legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 0,
+                              "yanchor": "bottom", "yref": "container"},
+                      margin={"b": 64 + extra})
+    fig.update_layout(height=(fig.layout.height or 450) + extra)

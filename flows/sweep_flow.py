@@ -71,8 +71,8 @@ _log = logging.getLogger(__name__)
 TRAIN_RUN_DEPLOYMENT = "train-run/train-run"
 _MAX_RUN_NAME = 200         # api.schemas.RunCreate.name
 _NAME_JOIN = " · "
-# the robustness table artifact's columns: the REST names (api.schemas.RobustnessItem) without
-# the per-seed lists, so the artifact, the API and the dashboards' CSVs agree
+# the robustness table artifact's columns: the REST names (api.analysis_schemas.RobustnessItem)
+# without the per-seed lists, so the artifact, the API and the dashboards' CSVs agree
 ROBUSTNESS_COLUMNS = ("compression", "strategy", "label", "duration", "p", "mean_pct",
                       "ci_low_pct", "ci_high_pct", "n_seeds")
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from api import crud
+from api import crud, pagination, records
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
 from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
@@ -37,9 +37,9 @@ from api.schemas import (
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[KnownQueryDep])
 
 _CURSOR_HELP = "next_cursor of the previous page; omit for the first page"
-RunCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),
+RunCursor = Annotated[str | None, Query(pattern=pagination.cursor_pattern((datetime, uuid.UUID)),
                                         description=_CURSOR_HELP)]
-StepCursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((int, int)),
+StepCursor = Annotated[str | None, Query(pattern=pagination.cursor_pattern((int, int)),
                                          description=_CURSOR_HELP)]
 SafeQuery = Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9._:+/=-]*$")]
 _NOT_NULLABLE = ("status", "tags")
@@ -105,7 +105,7 @@ def update_run(run_id: uuid.UUID, body: RunUpdate, session: SessionDep) -> RunPu
              responses=write_responses(404, 409))
 def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) -> BatchResult:
     """Store up to 10,000 metric items idempotently (key: name, global_step, replica)."""
-    inserted = crud.insert_metrics(session, run_id=run_id, items=body.items)
+    inserted = records.insert_metrics(session, run_id=run_id, items=body.items)
     return BatchResult(received=len(body.items), inserted=inserted)
 
 
@@ -114,7 +114,7 @@ def ingest_metrics(run_id: uuid.UUID, body: MetricBatch, session: SessionDep) ->
 def ingest_events(run_id: uuid.UUID, body: EventBatch, session: SessionDep) -> BatchResult:
     """Store up to 10,000 event items idempotently (key: the event's id)."""
     items = [item.model_dump() for item in body.items]
-    inserted = crud.insert_events(session, run_id=run_id, items=items)
+    inserted = records.insert_events(session, run_id=run_id, items=items)
     return BatchResult(received=len(items), inserted=inserted)
 
 
@@ -125,8 +125,8 @@ def read_metrics(run_id: uuid.UUID, session: SessionDep, name: MetricName | None
                  limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
                  cursor: StepCursor = None) -> Page[MetricPublic]:
     """A run's metrics in global-step order, keyset-paginated."""
-    rows, next_cursor = crud.list_metrics(session, run_id=run_id, name=name, replica=replica,
-                                          limit=limit, cursor=cursor)
+    rows, next_cursor = records.list_metrics(session, run_id=run_id, name=name, replica=replica,
+                                             limit=limit, cursor=cursor)
     return Page[MetricPublic](items=[MetricPublic.model_validate(r) for r in rows],
                               next_cursor=next_cursor)
 
@@ -140,8 +140,8 @@ def read_events(run_id: uuid.UUID, session: SessionDep,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
                 cursor: StepCursor = None) -> Page[EventPublic]:
     """A run's events in global-step order, keyset-paginated."""
-    rows, next_cursor = crud.list_events(session, run_id=run_id, kind=kind, limit=limit,
-                                         cursor=cursor)
+    rows, next_cursor = records.list_events(session, run_id=run_id, kind=kind, limit=limit,
+                                            cursor=cursor)
     items = [EventPublic(id=e.event_id, kind=e.kind, global_step=e.global_step,
                          replica=e.replica, stage=e.stage, detail=e.detail) for e in rows]
     return Page[EventPublic](items=items, next_cursor=next_cursor)

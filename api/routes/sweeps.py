@@ -12,27 +12,25 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query
 from pydantic import AfterValidator
 
-from api import crud
+from api import analysis, crud, pagination
+from api.analysis_schemas import ClaimsPublic, RobustnessPublic, TablePublic
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
 from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
 from api.schemas import (
-    ClaimsPublic,
     Page,
-    RobustnessPublic,
     SweepCreate,
     SweepFields,
     SweepPublic,
     SweepStatus,
     SweepUpdate,
-    TablePublic,
     check_text,
 )
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"], dependencies=[KnownQueryDep])
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
-Cursor = Annotated[str | None, Query(pattern=crud.cursor_pattern((datetime, uuid.UUID)),
+Cursor = Annotated[str | None, Query(pattern=pagination.cursor_pattern((datetime, uuid.UUID)),
                                      description="next_cursor of the previous page; omit for "
                                                  "the first page")]
 NameQuery = Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$",
@@ -99,7 +97,7 @@ def robustness(sweep_ref: SweepRef, session: SessionDep) -> RobustnessPublic:
     baseline (paired by seed), its 95% t-interval (null bounds with one seed), the seeds and the
     runs behind it; baselines that are missing; how many runs are still pending or running."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
-    return RobustnessPublic.model_validate(crud.sweep_robustness(session, sweep_id=sweep_id))
+    return RobustnessPublic.model_validate(analysis.sweep_robustness(session, sweep_id=sweep_id))
 
 
 @router.get("/{sweep_ref}/claims", response_model=ClaimsPublic, dependencies=[ReadAuthDep],
@@ -114,8 +112,8 @@ def claims(sweep_ref: SweepRef, session: SessionDep,
     its measured sd says would settle it. Computed by `crucible.stats`, the module that also
     renders the study document."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
-    return ClaimsPublic.model_validate(crud.sweep_claims(session, sweep_id=sweep_id,
-                                                         duration=duration))
+    return ClaimsPublic.model_validate(analysis.sweep_claims(session, sweep_id=sweep_id,
+                                                             duration=duration))
 
 
 @router.get("/{sweep_ref}/table", response_model=TablePublic, dependencies=[ReadAuthDep],
@@ -124,4 +122,4 @@ def table(sweep_ref: SweepRef, session: SessionDep) -> TablePublic:
     """The robustness summary as the blog's Table 1: one row per p, one column per
     "<compression>/<strategy>"."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
-    return TablePublic.model_validate(crud.sweep_table(session, sweep_id=sweep_id))
+    return TablePublic.model_validate(analysis.sweep_table(session, sweep_id=sweep_id))

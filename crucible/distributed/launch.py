@@ -32,7 +32,8 @@ from crucible.config import Config, ConfigError
 from crucible.distributed.worker import check_distributed
 from crucible.events import Event
 from crucible.faults import FaultPlan
-from crucible.gather import MAX_MANIFESTS, InvalidManifest, Manifest, manifest_key
+from crucible.gather import MAX_MANIFESTS, manifest_key
+from crucible.manifest import InvalidManifest, Manifest
 from crucible.model_file import MODEL_FILE
 from crucible.store import KeyNotFound, Store, open_store
 from crucible.summary import write_bytes_atomic, write_json_atomic

@@ -24,14 +24,13 @@ import torch
 from crucible.config import Config
 from crucible.gather import (
     MAX_MANIFESTS,
-    Manifest,
     agree,
     contribution_key,
     load_agreed,
     manifest_key,
-    manifest_limit,
     upload_contribution,
 )
+from crucible.manifest import Manifest, manifest_limit
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import aggregate
 from crucible.sparseloco.codec import encode_contributions_batched

@@ -262,9 +262,9 @@ def _finite(value: float | None) -> float | None:
 
 
 def claims_to_dict(claims: Sequence[Claim], *, target_half_width: float) -> list[dict[str, Any]]:
-    """The REST shape of decided claims (`api.schemas.ClaimOut`): per claim its verdict, the
-    seeds that would decide it, and each comparison's interval, reference value, width against
-    the target and the seeds a ±target interval needs."""
+    """The REST shape of decided claims (`api.analysis_schemas.ClaimOut`): per claim its verdict,
+    the seeds that would decide it, and each comparison's interval, reference value, width
+    against the target and the seeds a ±target interval needs."""
     out = []
     for claim in claims:
         need = claim.seeds_to_decide()

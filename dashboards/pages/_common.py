@@ -14,7 +14,7 @@ from typing import Any
 import plotly
 import plotly.graph_objects as go
 
-from dashboards import figures
+from dashboards import style
 from dashboards.datasets import EXPORT_SCRIPT
 
 __all__ = ["PLOTLY_JS_PATH", "PLOTLY_JS_URL", "served_plotly_tag", "inline_plotly_tag",
@@ -251,7 +251,7 @@ def fmt_num(value: Any, spec: str) -> str:
 
 def strategy_text(run: Mapping[str, Any]) -> str:
     """A run's strategy; a baseline (strategy None in the registry) has none of its own."""
-    return str(run.get("strategy") or figures.BASELINE_LABEL)
+    return str(run.get("strategy") or style.BASELINE_LABEL)
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

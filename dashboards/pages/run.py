@@ -35,6 +35,7 @@ from dashboards.pages._common import (
 )
 from dashboards.pages._widgets import tag_chips
 from dashboards.style import arm_label
+from dashboards.timeline import fault_timeline
 
 __all__ = ["run_page", "COUNTED"]
 
@@ -270,7 +271,7 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
     ident = f"run-{run.get('id')}"
     events = list(view.get("events") or [])
     faults = _faults(summary, events)
-    timeline = figures.fault_timeline(
+    timeline = fault_timeline(
         faults=faults, events=events,
         strategy=str(run.get("strategy") or (config.get("faults") or {}).get("strategy")),
         replicas=config.get("replicas"),

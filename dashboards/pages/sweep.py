@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from crucible.stats import claim_rows
-from dashboards import figures
+from dashboards import accounting, figures
 from dashboards.datasets import export_links, robustness_rows, run_rows, table_rows
 from dashboards.pages._common import (
     Live,
@@ -218,7 +218,7 @@ def _byte_rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         counters = (run.get("summary") or {}).get("bytes") or {}
         rows.append({**{key: run.get(key) for key in ("id", "compression", "strategy", "p",
                                                        "seed", "status")},
-                     **{kind: counters.get(kind) for kind, _label in figures.BYTE_KINDS}})
+                     **{kind: counters.get(kind) for kind, _label in accounting.BYTE_KINDS}})
     return rows
 
 
@@ -268,10 +268,10 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
                     extra=export_links(f"{name}-table-1", table_rows(view.get("table") or {}),
                                        label="Table 1")),
         '<div class="grid">',
-        figure_html(figures.token_accounting(runs), "fig-tokens",
+        figure_html(accounting.token_accounting(runs), "fig-tokens",
                     extra=export_links(f"{name}-tokens", _token_rows(runs),
                                        label="token accounting")),
-        figure_html(figures.bytes_sent(runs), "fig-bytes",
+        figure_html(accounting.bytes_sent(runs), "fig-bytes",
                     extra=export_links(f"{name}-bytes", _byte_rows(runs), label="bytes sent")),
         "</div>",
         f"<h2>Runs ({len(runs)})</h2>",

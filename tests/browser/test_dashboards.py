@@ -296,7 +296,7 @@ def _inside(inner: dict[str, float], outer: dict[str, float]) -> bool:
 @pytest.mark.parametrize("width", [1280, 720])
 def test_fault_timeline_labels_and_legend_are_never_clipped(
         browser_page: Any, artifacts_dir: Path, width: int) -> None:
-    from dashboards import figures
+    from dashboards import timeline
     from dashboards.pages._common import document, figure_html, inline_plotly_tag
 
     replicas = 24
@@ -307,7 +307,7 @@ def test_fault_timeline_labels_and_legend_are_never_clipped(
     events = [{"kind": kind, "global_step": r % 7 + 1, "replica": r, "stage": r % 4,
                "detail": {"donor": (r + 1) % replicas} if kind == "reroute" else {}}
               for r, kind in zip(range(replicas), kinds * 4, strict=True)]
-    fig = figures.fault_timeline(
+    fig = timeline.fault_timeline(
         faults=faults, events=events, replicas=replicas, global_steps=40,
         strategy="an_unusually_long_mitigation_strategy_name_from_a_later_release")
     out = artifacts_dir / f"dashboard-timeline-labels-{width}.html"

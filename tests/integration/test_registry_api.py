@@ -219,8 +219,8 @@ def _orm_sweep_run_rows(session, sweep_id):
 
 
 def test_robustness_and_table_match_the_orm_implementation(registry, registry_app):
-    from api import crud
-    from api.schemas import RobustnessPublic, TablePublic
+    from api.analysis import sweep_run_rows
+    from api.analysis_schemas import RobustnessPublic, TablePublic
     from crucible import stats as analysis
 
     sid = _sweep(registry)["id"]
@@ -239,7 +239,7 @@ def test_robustness_and_table_match_the_orm_implementation(registry, registry_ap
 
     with registry_app.state.session_factory() as session:
         before = _orm_sweep_run_rows(session, uuid.UUID(sid))
-        assert crud.sweep_run_rows(session, sweep_id=uuid.UUID(sid)) == before
+        assert sweep_run_rows(session, sweep_id=uuid.UUID(sid)) == before
     assert len(before) == 74 and {r["status"] for r in before} >= {"failed", "running"}
     expected = {"sweep_id": sid, **analysis.robustness(before)}
     assert expected["items"] and expected["missing_baselines"] and expected["failed_runs"]

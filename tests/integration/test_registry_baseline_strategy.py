@@ -38,7 +38,7 @@ def _run(registry, sweep_id: str, *, p: float, seed: int, loss: float,
 
 
 def test_sweep_of_drop_extend_and_reroute_shows_no_skip(registry, registry_app):
-    from dashboards import figures, pages, queries
+    from dashboards import accounting, figures, pages, queries, style
 
     sweep = registry.post(f"{V1}/sweeps", json={"name": "no phantom arms"}).json()
     sid = sweep["id"]
@@ -69,7 +69,7 @@ def test_sweep_of_drop_extend_and_reroute_shows_no_skip(registry, registry_app):
     with registry_app.state.session_factory() as session:
         view = queries.sweep_view(session, sweep_id=uuid.UUID(sid))
     names = {t.name for fig in (figures.robustness_curves(view["robustness"]),
-                                figures.token_accounting(view["runs"])) for t in fig.data}
+                                accounting.token_accounting(view["runs"])) for t in fig.data}
     assert names >= {"SSN · drop_extend", "SSN · reroute"}
     assert not any("skip" in name for name in names), names
     header = figures.robustness_table(view["table"]).data[0].header.values
@@ -77,7 +77,7 @@ def test_sweep_of_drop_extend_and_reroute_shows_no_skip(registry, registry_app):
     page = pages.sweep_page(view, plotly_tag="", run_href=None)
     runs_table = page[page.index("<th>strategy</th>"):]
     runs_table = runs_table[:runs_table.index("</table>")]
-    assert "skip" not in runs_table and runs_table.count(f"<td>{figures.BASELINE_LABEL}</td>") == 2
+    assert "skip" not in runs_table and runs_table.count(f"<td>{style.BASELINE_LABEL}</td>") == 2
 
 
 def _insert_run(conn: sa.Connection, *, p: float, strategy: str) -> None:

@@ -250,7 +250,7 @@ def test_a_training_run_reports_what_was_done_about_each_down_stage(client, tmp_
     from crucible.faults import FaultPlan
     from crucible.presets import get_preset
     from crucible.train import train
-    from dashboards import figures
+    from dashboards import timeline
 
     config = apply_overrides(get_preset("smoke"), {
         "model.d_model": 32, "model.layers": 4, "model.heads": 2, "model.seq_len": 16,
@@ -273,8 +273,8 @@ def test_a_training_run_reports_what_was_done_about_each_down_stage(client, tmp_
         assert {(e["global_step"], e["replica"]) for e in client.list_events(run_id, kind=kind)} \
             == {key for key, (k, _) in _DONE[strategy].items() if k == kind}
 
-    fig = figures.fault_timeline(faults=summary["faults"], events=events, strategy=strategy,
-                                 replicas=2, global_steps=3)
+    fig = timeline.fault_timeline(faults=summary["faults"], events=events, strategy=strategy,
+                                  replicas=2, global_steps=3)
     bars = {t.name: sorted(zip(t.y, t.base, t.x, t.text, strict=True)) for t in fig.data
             if t.type == "bar"}
     assert bars == _BARS[strategy]

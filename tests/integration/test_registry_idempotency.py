@@ -122,17 +122,18 @@ def test_large_batch_with_duplicates_keeps_the_first_and_a_resend_inserts_nothin
 def test_two_batches_in_one_transaction_land_in_their_own_runs(registry, pg_db):
     """The staging table is per connection: the move empties it, so a second batch in the same
     transaction (and the same pooled connection afterwards) never re-inserts the first."""
-    from api import crud
+    from api import records
     from db.session import make_engine, make_session_factory
 
     a, b = _run_id(registry), _run_id(registry)
     engine = make_engine(pg_db, pool_size=1, max_overflow=0)
     try:
         with make_session_factory(engine)() as session:
-            assert crud._pg_copy_metrics(session, uuid.UUID(a), _metrics(range(10))) == 30
-            assert crud._pg_copy_metrics(session, uuid.UUID(b), _metrics(range(5))) == 15
+            assert records._pg_copy_metrics(session, uuid.UUID(a), _metrics(range(10))) == 30
+            assert records._pg_copy_metrics(session, uuid.UUID(b), _metrics(range(5))) == 15
             session.commit()
-            assert crud.insert_metrics(session, run_id=uuid.UUID(b), items=_metrics(range(7))) == 6
+            assert records.insert_metrics(session, run_id=uuid.UUID(b),
+                                          items=_metrics(range(7))) == 6
     finally:
         engine.dispose()
     assert _count(pg_db, MetricRow.run_id, uuid.UUID(a)) == 30

@@ -183,18 +183,18 @@ def test_bad_items_deep_in_a_full_batch_get_422_naming_their_index(registry, pg_
     {"name": "val_loss", "global_step": "1", "value": 1.0},                   # not a number
 ])
 def test_values_the_api_would_refuse_are_refused_by_crud_too(registry, pg_db, item):
-    """Callers of crud.insert_metrics that skip the API's validation get a DataError (a 422
+    """Callers of records.insert_metrics that skip the API's validation get a DataError (a 422
     through the API), never a silently truncated value (the binary COPY must not wrap ints)."""
     from sqlalchemy.exc import DataError
 
-    from api import crud
+    from api import records
     from db.session import make_engine, make_session_factory
 
     run_id = uuid.UUID(_run_id(registry))
     engine = make_engine(pg_db)
     try:
         with make_session_factory(engine)() as session, pytest.raises(DataError):
-            crud.insert_metrics(session, run_id=run_id, items=[item])
+            records.insert_metrics(session, run_id=run_id, items=[item])
     finally:
         engine.dispose()
     assert _metric_rows(pg_db) == 0

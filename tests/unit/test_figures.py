@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from dashboards import figures, sample
+from dashboards import accounting, figures, sample, timeline
 from dashboards.style import arm_color, series_name
 
 
@@ -158,8 +158,8 @@ def test_loss_curves_draw_run_in_arm_style_and_baseline_dotted() -> None:
 
 def _timeline(strategy: str, events: list[dict[str, Any]]) -> go.Figure:
     summ = sample.summary(p=0.1, strategy=strategy, arm="ssn")
-    return figures.fault_timeline(faults=summ["faults"], events=events, strategy=strategy,
-                                  replicas=4, global_steps=20)
+    return timeline.fault_timeline(faults=summ["faults"], events=events, strategy=strategy,
+                                   replicas=4, global_steps=20)
 
 
 def test_fault_timeline_is_horizontal_bars_on_a_step_axis() -> None:
@@ -244,8 +244,8 @@ def test_fault_timeline_donor_changes_and_unknown_steps_fall_back_to_the_strateg
               _mitigation_event("reroute", 4, 1, 1, strategy="reroute", donor=2),
               _mitigation_event("reroute", 5, 1, 1, strategy="reroute", donor=2),
               _mitigation_event("drop", 5, 1, 2, strategy="drop")]  # another stage: not this fault
-    fig = figures.fault_timeline(faults=faults, events=events, strategy="reroute", replicas=4,
-                                 global_steps=20)
+    fig = timeline.fault_timeline(faults=faults, events=events, strategy="reroute", replicas=4,
+                                  global_steps=20)
     (bar,) = _bars(fig).values()
     assert list(bar.base) == [3, 4, 6] and list(bar.x) == [1, 2, 3]
     assert list(bar.text) == ["stage 1 via replica 0", "stage 1 via replica 2", "stage 1"]
@@ -267,14 +267,14 @@ def test_fault_timeline_reads_registries_written_before_drop_events() -> None:
 
 
 def test_fault_timeline_without_failures_says_so() -> None:
-    fig = figures.fault_timeline(faults=[], events=[], strategy="skip", replicas=4)
+    fig = timeline.fault_timeline(faults=[], events=[], strategy="skip", replicas=4)
     assert len(fig.data) == 0 and "No failures" in fig.layout.annotations[0].text
 
 
 def test_token_accounting_skip_keeps_budget_drop_loses_tokens() -> None:
     runs = sample.runs()
     runs.append(dict(runs[0], tokens_processed=None, status="running"))  # unfinished: ignored
-    fig = figures.token_accounting(runs)
+    fig = accounting.token_accounting(runs)
     by_name = {t.name: t for t in fig.data}
     assert set(by_name) == {series_name(a, s) for a in sample.ARMS for s in sample.STRATEGIES}
     skip, drop = by_name["SSN · skip"], by_name["SSN · drop"]
@@ -284,13 +284,13 @@ def test_token_accounting_skip_keeps_budget_drop_loses_tokens() -> None:
 
 
 def test_bytes_sent_groups_counters_per_arm_in_megabytes() -> None:
-    fig = figures.bytes_sent(sample.runs())
-    assert [t.name for t in fig.data] == [label for _, label in figures.BYTE_KINDS]
+    fig = accounting.bytes_sent(sample.runs())
+    assert [t.name for t in fig.data] == [label for _, label in accounting.BYTE_KINDS]
     forward = fig.data[0]
     assert list(forward.y) == ["uncompressed", "SSN"]
     assert list(forward.x) == pytest.approx([2.0, 0.25])
     assert fig.layout.xaxis.type == "log" and "MB" in fig.layout.xaxis.title.text
-    assert len(figures.bytes_sent([{"compression": "ssn", "summary": {}}]).data) == 0
+    assert len(accounting.bytes_sent([{"compression": "ssn", "summary": {}}]).data) == 0
 
 
 @pytest.mark.parametrize("builder", ["robustness", "table", "tokens", "bytes", "loss", "faults"])
@@ -299,8 +299,8 @@ def test_every_figure_serialises_to_json_without_nan(builder: str) -> None:
     fig = {
         "robustness": lambda: figures.robustness_curves(sample.robustness()),
         "table": lambda: figures.robustness_table(sample.table()),
-        "tokens": lambda: figures.token_accounting(sample.runs()),
-        "bytes": lambda: figures.bytes_sent(sample.runs()),
+        "tokens": lambda: accounting.token_accounting(sample.runs()),
+        "bytes": lambda: accounting.bytes_sent(sample.runs()),
         "loss": lambda: figures.loss_curves([{"name": "r", "compression": "none",
                                               "strategy": "skip",
                                               "points": figures.val_loss_points(summary=summ)}]),

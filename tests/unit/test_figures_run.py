@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from dashboards import figures, sample
+from dashboards import figures, sample, timeline
 
 
 def _legend(fig: Any) -> list[str]:
@@ -57,15 +57,15 @@ def test_train_loss_without_rows_says_so() -> None:
 ])
 def test_fault_timeline_legend_lists_only_what_occurred(
         events: list[dict[str, Any]], expected: list[str]) -> None:
-    fig = figures.fault_timeline(faults=[{"replica": 1, "stage": 1, "start": 3, "duration": 2}],
-                                 events=events, strategy="skip", replicas=4, global_steps=10)
+    fig = timeline.fault_timeline(faults=[{"replica": 1, "stage": 1, "start": 3, "duration": 2}],
+                                  events=events, strategy="skip", replicas=4, global_steps=10)
     assert _legend(fig) == expected
 
 
 def test_fault_timeline_makes_room_for_a_long_legend() -> None:
     faults = [{"replica": 0, "stage": 0, "start": 0, "duration": 2}]
-    short = figures.fault_timeline(faults=faults, events=[], strategy="skip")
-    long = figures.fault_timeline(faults=faults, events=[
+    short = timeline.fault_timeline(faults=faults, events=[], strategy="skip")
+    long = timeline.fault_timeline(faults=faults, events=[
         {"kind": kind, "global_step": 1, "replica": 0, "stage": 0}
         for kind in ("contribution_missing", "contribution_rejected", "rejoin")],
         strategy="a_very_long_strategy_name_that_needs_its_own_legend_row_or_two")
@@ -82,12 +82,12 @@ def test_fault_timeline_shows_real_process_kills_of_the_distributed_mode() -> No
                "detail": {"killed_at_step": 3}},
               {"kind": "process_rejoined", "global_step": 4, "replica": 1, "stage": None,
                "detail": {"killed_at_step": 3, "seconds_after_kill": 10.2}}]
-    fig = figures.fault_timeline(faults=[], events=events, strategy="drop", replicas=3,
-                                 global_steps=6)
+    fig = timeline.fault_timeline(faults=[], events=events, strategy="drop", replicas=3,
+                                  global_steps=6)
     names = [t.name for t in fig.data]
     assert "process killed (SIGKILL)" in names and "process rejoined" in names
     rejoin = next(t for t in fig.data if t.name == "process rejoined")
     assert "10.2 s after the kill" in rejoin.hovertext[0] and "stage" not in rejoin.hovertext[0]
-    quiet = figures.fault_timeline(faults=[], events=[], strategy="drop", replicas=3,
-                                   global_steps=6)
+    quiet = timeline.fault_timeline(faults=[], events=[], strategy="drop", replicas=3,
+                                    global_steps=6)
     assert not any((t.name or "").startswith("process") for t in quiet.data)

@@ -16,18 +16,14 @@ import torch
 from crucible.events import MAX_DETAIL_TEXT
 from crucible.gather import (
     MAX_MANIFESTS,
-    InvalidManifest,
-    Manifest,
-    Rejection,
     agree,
     contribution_key,
     load_agreed,
-    manifest_events,
     manifest_key,
-    manifest_limit,
     prune_rounds,
     upload_contribution,
 )
+from crucible.manifest import InvalidManifest, Manifest, Rejection, manifest_events, manifest_limit
 from crucible.sparseloco import (
     Contribution,
     aggregate,

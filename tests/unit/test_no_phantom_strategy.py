@@ -9,7 +9,7 @@ import json
 import pytest
 
 from crucible import stats as analysis
-from dashboards import figures
+from dashboards import accounting, figures, style
 from flows.sweep_flow import robustness_rows
 
 _STRATEGIES = {"drop_extend", "reroute"}
@@ -55,7 +55,7 @@ def test_baseline_pairs_with_each_strategy_and_adds_none(baseline_strategy) -> N
     curves = figures.robustness_curves(out)
     assert _legend_names(curves) >= {"SSN · drop_extend", "SSN · reroute"}
     header = list(figures.robustness_table(table).data[0].header.values)
-    tokens = figures.token_accounting(_sweep(baseline_strategy))
+    tokens = accounting.token_accounting(_sweep(baseline_strategy))
     assert _legend_names(tokens) == {"SSN · drop_extend", "SSN · reroute"}
     for fig in (curves, tokens):  # series names, legend groups, hover labels
         for trace in fig.data:
@@ -73,5 +73,5 @@ def test_baseline_pairs_with_each_strategy_and_adds_none(baseline_strategy) -> N
 def test_baselines_alone_make_no_strategy() -> None:
     baselines = [r for r in _sweep(None) if r["p"] == 0]
     assert analysis.robustness(baselines)["items"] == []
-    tokens = figures.token_accounting(baselines)
-    assert _legend_names(tokens) == {f"SSN · {figures.BASELINE_LABEL}"}
+    tokens = accounting.token_accounting(baselines)
+    assert _legend_names(tokens) == {f"SSN · {style.BASELINE_LABEL}"}

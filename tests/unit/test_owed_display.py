@@ -2,7 +2,7 @@
 says, and is not a finished data point in the figures."""
 from __future__ import annotations
 
-from dashboards import figures, pages, sample
+from dashboards import accounting, pages, sample
 
 _TAG = pages.served_plotly_tag()
 
@@ -33,6 +33,6 @@ def test_run_page_says_the_run_is_incomplete() -> None:
 def test_token_and_byte_figures_leave_owing_runs_out() -> None:
     runs = sample.runs()
     owing = [_owing(run, 1) for run in runs]
-    assert figures.token_accounting(runs).data and figures.bytes_sent(runs).data
-    assert not figures.token_accounting(owing).data
-    assert not figures.bytes_sent(owing).data
+    assert accounting.token_accounting(runs).data and accounting.bytes_sent(runs).data
+    assert not accounting.token_accounting(owing).data
+    assert not accounting.bytes_sent(owing).data

@@ -18,7 +18,7 @@ import torch
 
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
-from crucible.gather import MANIFEST_VERSION
+from crucible.manifest import MANIFEST_VERSION
 from crucible.sparseloco import encode_contribution
 from crucible.store import LocalStore
 from crucible.train import Trainer

@@ -67,9 +67,9 @@ def test_a_long_sweep_name_is_shortened_to_fit_a_run_name() -> None:
 
 
 def test_robustness_artifact_columns_are_the_rest_field_names() -> None:
-    """The table artifact's keys are api.schemas.RobustnessItem's fields without the per-seed
-    lists (seeds, run_ids), which a table cell cannot show."""
-    from api.schemas import RobustnessItem
+    """The table artifact's keys are api.analysis_schemas.RobustnessItem's fields without the
+    per-seed lists (seeds, run_ids), which a table cell cannot show."""
+    from api.analysis_schemas import RobustnessItem
 
     rest = [name for name in RobustnessItem.model_fields if name not in ("seeds", "run_ids")]
     item = {"compression": "ssn", "strategy": "drop", "label": "", "duration": 6, "p": 0.1,
