@@ -110,7 +110,8 @@ def _print_table(table: dict[str, Any], title: str) -> None:
 def claim_lines(claims: dict[str, Any] | None) -> list[str]:
     """The claims a sweep speaks to (those with a comparison run), each comparison's paired 95%
     interval and what it says. A comparison whose interval the noise leaves open reads
-    "unresolved", with the seeds that would decide it if its mean and sd held: never a finding."""
+    "unresolved", with the seeds that would decide it if its mean and sd held, and one with a
+    single seed has no interval and no verdict: never a finding."""
     if not claims:
         return []
     lines = []
@@ -119,15 +120,16 @@ def claim_lines(claims: dict[str, Any] | None) -> list[str]:
             continue
         lines.append(f"({claim['tag']}) {claim['title']}: {claim['verdict']}")
         for c in claim["comparisons"]:
-            if c["status"] == "missing" or c["mean"] is None:
+            if c["mean"] is None:       # not run yet
                 continue
             n = c["n_seeds"]
             interval = (f"[{c['ci_low']:+.2f}, {c['ci_high']:+.2f}]"
                         if c["ci_low"] is not None else "(no interval)")
             more = (f"; about {c['seeds_to_decide']} seeds would decide it"
                     if c["status"] == "unresolved" and c.get("seeds_to_decide") else "")
+            status = "no verdict below 2 seeds" if c["status"] == "missing" else c["status"]
             lines.append(f"    {c['label']}: {c['mean']:+.2f} points {interval}, "
-                         f"{n} seed{'' if n == 1 else 's'}: {c['status']}{more}")
+                         f"{n} seed{'' if n == 1 else 's'}: {status}{more}")
     if lines:
         lines.insert(0, "claims, on paired 95% intervals (points of the baseline's loss):")
     return lines

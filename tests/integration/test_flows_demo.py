@@ -31,4 +31,4 @@ def test_demo_sweep_writes_the_report_and_prints_its_path_last(tmp_path: Path) -
     lines = result.stdout.splitlines()
     [claim] = [line for line in lines if line.startswith("(a) skip costs less than drop")]
     assert claim.endswith(": not resolved")
-    assert any("(no interval), 1 seed: unresolved" in line for line in lines)
+    assert any("(no interval), 1 seed: no verdict below 2 seeds" in line for line in lines)

@@ -107,7 +107,7 @@ def test_claim_lines_say_unresolved_and_what_would_decide_it() -> None:
         {"tag": "a", "title": "skip costs less than drop at every p", "verdict": "not resolved",
          "comparisons": [comparison("SSN skip - drop, p = 0.1", "unresolved", -1.5, -4.0, 1.0,
                                     3, decide=9),
-                         comparison("MAPL skip - drop, p = 0.1", "unresolved", -2.0, None, None,
+                         comparison("MAPL skip - drop, p = 0.1", "missing", -2.0, None, None,
                                     1),
                          comparison("none skip - drop, p = 0.1", "missing", None, None, None, 0)]},
         {"tag": "b", "title": "degradation grows with p", "verdict": "not run yet",
@@ -117,5 +117,6 @@ def test_claim_lines_say_unresolved_and_what_would_decide_it() -> None:
         "(a) skip costs less than drop at every p: not resolved",
         "    SSN skip - drop, p = 0.1: -1.50 points [-4.00, +1.00], 3 seeds: unresolved; "
         "about 9 seeds would decide it",
-        "    MAPL skip - drop, p = 0.1: -2.00 points (no interval), 1 seed: unresolved"]
+        "    MAPL skip - drop, p = 0.1: -2.00 points (no interval), 1 seed: no verdict below 2 "
+        "seeds"]
     assert claim_lines(None) == [] and claim_lines({"claims": claims["claims"][1:]}) == []
