@@ -189,7 +189,7 @@ def replay(spool_root: Path | None = typer.Option(
     if not root.is_dir():
         typer.echo(f"no spools under {root}: nothing to replay")
         return
-    with ApiClient(settings.api_url, settings.api_token) as client:
+    with ApiClient(settings.api_url, settings.token) as client:
         try:
             report = replay_spools(client, root, timeout_s=timeout_s)
         except ApiError as exc:     # 401/403: nothing else escapes a replay
@@ -229,12 +229,17 @@ _REF_HELP = "a run's id; a sweep's id or exact name (the newest sweep of that na
 def _registry() -> Iterator[ApiClient]:
     """An API client on `CRUCIBLE_API_URL` with `CRUCIBLE_API_TOKEN`; API errors become one line
     and an exit code (2: refused, 1: unreachable)."""
+    from pydantic import ValidationError
+
+    from crucible.client_settings import ClientSettings
     from crucible.registry_client import ApiClient, ApiError, ApiUnavailable
 
-    settings = Settings()
-    token = settings.api_token.get_secret_value() if settings.api_token else None
     try:
-        with ApiClient(settings.api_url, token, retries=1) as client:
+        settings = ClientSettings(_env_file=".env")   # a .env file too, as the service reads
+    except ValidationError as exc:
+        raise _usage("; ".join(str(error["msg"]) for error in exc.errors())) from None
+    try:
+        with ApiClient(settings.api_url, settings.token, retries=1) as client:
             yield client
     except ApiUnavailable as exc:
         typer.echo(f"error: cannot reach the registry at {settings.api_url} "

@@ -51,7 +51,7 @@ Cookie = Annotated[str | None, Depends(_cookie)]
 
 def static_token(settings: Settings) -> str | None:
     """The settings token (`CRUCIBLE_API_TOKEN`) in plain text, or None."""
-    return settings.api_token.get_secret_value() if settings.api_token else None
+    return settings.token
 
 
 def _bearer_principal(session: Session, settings: Settings,

@@ -9,23 +9,22 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from crucible.client_settings import ClientSettings
 
 __all__ = ["Settings", "get_settings"]
 
 
-class Settings(BaseSettings):
-    """Registry, client and store settings (env prefix `CRUCIBLE_`)."""
+class Settings(ClientSettings):
+    """Registry service settings (env prefix `CRUCIBLE_`): the client settings
+    (`crucible.client_settings.ClientSettings`: `api_url`, `api_token` - which the server also
+    accepts for writes -, `store_url`, `s3_endpoint_url`) and the service's own."""
 
     model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", env_file=".env", extra="ignore")
 
     database_url: str = Field("sqlite:///./crucible.db",
                               description="SQLAlchemy URL of the registry database")
-    api_url: str = Field("http://127.0.0.1:8000", description="where clients reach the API")
-    api_token: SecretStr | None = Field(
-        None, description="bearer token: clients send it; the server also accepts it for writes")
-    store_url: str | None = Field(None, description="file:///path or s3://bucket/prefix")
-    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
     reads_require_token: bool = Field(
         False, description="close reads (GET endpoints, dashboards) to anonymous users; browsers "
                            "sign in at /login")

@@ -8,6 +8,8 @@
 
 `train(config, out_dir=...)` is the library entry point used by the CLI and the flows; it writes
 `summary.json`, `metrics.jsonl` and `events.jsonl` into `out_dir` and checkpoints to the store.
+The distributed worker's `ReplicaTrainer` is this `Trainer` holding one replica row (see the
+class's docstring for its hooks). The evaluation methods live in `crucible.evaluation` (a mixin).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
 from crucible.errors import TrainingDiverged
+from crucible.evaluation import Evaluation, standard_error
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, draw_plan
 from crucible.ids import validate_id
@@ -38,18 +41,11 @@ from crucible.progress import RunProgress
 from crucible.store import Store, open_store
 from crucible.strategy import StepPlan, plan_step
 from crucible.summary import RunCounters, write_json_atomic
-from crucible.sync import OuterSync
+from crucible.sync import OuterSync, StageSyncResult
 
 __all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device", "standard_error"]
 
 log = logging.getLogger(__name__)
-
-
-def standard_error(values: torch.Tensor) -> float | None:
-    """Standard error of the mean of per-window values; None for fewer than two (one window
-    has no spread to measure, and None keeps summary.json strict JSON)."""
-    n = values.numel()
-    return float(values.std() / n ** 0.5) if n > 1 else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,38 +57,78 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Trainer:
-    """One run. Construct, then `run()`; `global_step(g)` is one outer round."""
+class Trainer(Evaluation):
+    """One run. Construct, then `run()`; `global_step(g)` is one outer round.
 
-    def __init__(self, config: Config, *, store: Store, run_key: str,
-                 callback: Callback, plan: FaultPlan | None = None) -> None:
+    The simulator holds every replica (`replicas=None`). The distributed worker
+    (`crucible.distributed.worker.ReplicaTrainer`) is this class holding one replica row: it
+    passes `replicas=[r]` and its `device`, and overrides the hooks where a process that holds
+    part of the run differs: `_data_view` and `_make_sync` (what the constructor builds),
+    `_local_step` (its rows of the run-wide step plan), `_round_starts` / `_round_done` (around
+    each outer round) and `_report_tokens`. Everything else, the rejoin resets included, is one
+    implementation."""
+
+    def __init__(self, config: Config, *, store: Store, run_key: str, callback: Callback,
+                 plan: FaultPlan | None = None, device: torch.device | None = None,
+                 replicas: Sequence[int] | None = None) -> None:
+        """`replicas`: the run's replicas this trainer holds, one model row each, ascending
+        (default: all of `config.replicas`); `device`: default `train.device` resolved. The fault
+        plan is always the run's, drawn for all `config.replicas`."""
         self.config, self.store, self.run_key, self.callback = config, store, run_key, callback
-        self.device = resolve_device(config.train.device)
-        self.R, self.S, self.H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
+        self.device = resolve_device(config.train.device) if device is None else device
+        self.replica_ids = list(range(config.replicas)) if replicas is None else list(replicas)
+        self.R, self.S, self.H = (len(self.replica_ids), config.pipeline.stages,
+                                  config.sparseloco.inner_steps)
         tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
-        self.data = TokenData(tokens, model=config.model, data=config.data, replicas=self.R,
-                              seed=config.seed)
-        check_token_budget(len(self.data.train),
+        data = TokenData(tokens, model=config.model, data=config.data,
+                         replicas=config.replicas, seed=config.seed)
+        self.data = self._data_view(data)
+        check_token_budget(len(data.train),
                            budget=tokens_per_global_step(config) * config.train.global_steps,
                            data=config.data, preset=config.preset)
-        self.model = ReplicatedPipeline(config).to_device(self.device)
+        local = config if self.R == config.replicas else config.replace(replicas=self.R)
+        self.model = ReplicatedPipeline(local).to_device(self.device)
         self.optimizer = ReplicaAdamW([self.model.stage_params(s) for s in range(self.S)],
                                       self.model.layouts, train=config.train, replicas=self.R)
         self.stiefel_momentum = {s: torch.zeros_like(p["basis"]) for s in range(self.S)
                                  if "basis" in (p := self.model.stage_params(s))}
-        self.sync = OuterSync(config, self.model, store=store, run_key=run_key)
-        self.validation = self.data.validation(tokens=config.train.eval_tokens,
-                                               batch_size=config.train.eval_batch_size)
+        self.sync = self._make_sync()
+        self.validation = data.validation(tokens=config.train.eval_tokens,
+                                          batch_size=config.train.eval_batch_size)
         self.max_steps = self._max_steps()
         faults = config.faults
         self.plan = plan if plan is not None else draw_plan(
-            seed=config.seed, p=faults.p, duration=faults.duration, replicas=self.R,
+            seed=config.seed, p=faults.p, duration=faults.duration, replicas=config.replicas,
             stages=self.S, horizon=self.max_steps)
-        self.plan.validate(replicas=self.R, stages=self.S)
+        self.plan.validate(replicas=config.replicas, stages=self.S)
         self.counters = RunCounters.empty(replicas=self.R, stages=self.S)
         self.next_step = 0
         self.last_eval_stderr: float | None = None             # of the latest evaluation
         self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
+
+    # -- what a trainer holding part of the run overrides ----------------------------------------
+    def _data_view(self, data: TokenData) -> Any:
+        """The data this trainer draws its rows' micro-batches from (`batches(replicas=R)`)."""
+        return data
+
+    def _make_sync(self) -> OuterSync:
+        """The outer round (called once the model is built)."""
+        return OuterSync(self.config, self.model, store=self.store, run_key=self.run_key)
+
+    def _local_step(self, step: StepPlan) -> StepPlan:
+        """This trainer's rows of the run-wide step plan."""
+        return step
+
+    def _round_starts(self, g: int) -> None:
+        """Called first in every global step."""
+
+    def _round_done(self, g: int, step: StepPlan, results: list[StageSyncResult]) -> None:
+        """Called after the outer round is counted, before the step's metrics."""
+
+    def _report_tokens(self, g: int) -> None:
+        """The run's `tokens` metric after global step g."""
+        self.callback.metric(Metric("tokens", g, float(self.counters.tokens_processed),
+                                    tokens=self.counters.tokens_processed))
 
     def _max_steps(self) -> int:
         steps = self.config.train.global_steps
@@ -136,28 +172,6 @@ class Trainer:
             summary.setdefault("timing", {})["alignment_s"] = summary["alignment"].pop("seconds")
         return summary
 
-    @torch.no_grad()
-    def basis_report(self, *, windows: int = 256) -> list[dict[str, Any]]:
-        """Per MAPL boundary: how far the learned (global) basis moved from its initial one
-        (largest principal angle) and the share of the boundary's centred activation energy each
-        keeps, on up to `windows` held-out windows through the global model."""
-        select = torch.tensor([0], device=self.device)
-        ids = torch.cat([x for x, _ in self.validation])[:windows][None].to(self.device)
-        taps: dict[int, torch.Tensor] = {}
-        params = [{n: p[select] for n, p in self.model.stage_params(s).items()}
-                  for s in range(self.S)]
-        self.model(ids, ids, select=select, taps=taps)
-        rows = []
-        for s in range(self.S - 1):
-            learned = params[s]["basis"][0]
-            initial = boundary.initial_basis(self.config, s).to(learned.device)
-            c = boundary.centred(taps[s], ids, sender=params[s], stage=s, fixed=self.model.fixed)
-            rows.append({"boundary": s,
-                         "angle_deg": boundary.largest_angle_deg(initial, learned),
-                         "energy_kept": boundary.energy_kept(c, learned),
-                         "energy_kept_initial": boundary.energy_kept(c, initial)})
-        return rows
-
     def _finished(self, budget: int) -> bool:
         if self.next_step < self.config.train.global_steps:
             return False
@@ -172,55 +186,65 @@ class Trainer:
 
     def global_step(self, g: int) -> None:
         """One outer round: faults -> H inner steps -> outer sync -> report."""
-        step = plan_step(self.plan, g, config=self.config)
+        self._round_starts(g)
+        run_step = plan_step(self.plan, g, config=self.config)
+        step = self._local_step(run_step)
         self._apply_rejoins(g)
         self._report_faults(g, step)
         started = time.perf_counter()
         losses = self._inner_steps(g, step)
         synced = time.perf_counter()
-        results = self.sync.synchronise(g, step.contributes)
+        results = self.sync.synchronise(g, run_step.contributes)
         self.counters.timing["inner_s"] += synced - started
         self.counters.timing["sync_s"] += time.perf_counter() - synced
         self.counters.record_sync(g, results, self.callback)
         self.counters.record_step(step, h=self.H, tokens_per_replica=self._tokens_per_replica(),
                                   config=self.config)
-        for replica, loss in losses.items():
-            self.callback.metric(Metric("train_loss", g, loss, replica=replica,
+        self._round_done(g, step, results)
+        for row, loss in losses.items():
+            self.callback.metric(Metric("train_loss", g, loss, replica=self.replica_ids[row],
                                         tokens=self.counters.tokens_processed))
-        self.callback.metric(Metric("tokens", g, float(self.counters.tokens_processed),
-                                    tokens=self.counters.tokens_processed))
+        self._report_tokens(g)
 
     def _tokens_per_replica(self) -> int:
         return self.H * self.config.train.batch_size * self.config.model.seq_len
 
     # -- faults ----------------------------------------------------------------------------------
     def _apply_rejoins(self, g: int) -> None:
+        """A stage-replica back from a failure restarts with none of its state: fresh AdamW
+        moments and step, error feedback and (MAPL) Stiefel momentum."""
         for failure in self.plan.rejoining(g):
-            r, s = failure.replica, failure.stage
-            self.optimizer.reset(replica=r, stage=s)
-            self.sync.reset_error(replica=r, stage=s)
+            if failure.replica not in self.replica_ids:
+                continue
+            row, s = self.replica_ids.index(failure.replica), failure.stage
+            self.optimizer.reset(replica=row, stage=s)
+            self.sync.reset_error(replica=row, stage=s)
             reset = ["adamw_moments", "adamw_step", "error_feedback"]
             if s in self.stiefel_momentum:
-                self.stiefel_momentum[s][r].zero_()
+                self.stiefel_momentum[s][row].zero_()
                 reset.append("stiefel_momentum")
-            self.callback.event(Event("rejoin", g, replica=r, stage=s,
+            self.callback.event(Event("rejoin", g, replica=failure.replica, stage=s,
                                       detail={"reset": reset, "down_steps": failure.duration}))
 
     def _report_faults(self, g: int, step: StepPlan) -> None:
         strategy = self.config.faults.strategy
         for failure in self.plan.starting(g):
-            self.callback.event(Event("failure_start", g, replica=failure.replica, stage=failure.stage,
-                                      detail={"duration": failure.duration, "strategy": strategy}))
-        for replica, stage in step.down_pairs():
+            if failure.replica in self.replica_ids:
+                self.callback.event(Event("failure_start", g, replica=failure.replica,
+                                          stage=failure.stage, detail={
+                                              "duration": failure.duration,
+                                              "strategy": strategy}))
+        for row, stage in step.down_pairs():
             # one event per down stage-replica saying what was done about it at this step
-            donor = step.donors.get((replica, stage))
+            donor = step.donors.get((row, stage))
             if donor is not None:
                 kind, detail = "reroute", {"strategy": strategy, "donor": donor}
-            elif bool(step.bypass[replica, stage]):
+            elif bool(step.bypass[row, stage]):
                 kind, detail = "bypass", {"strategy": strategy}
             else:
                 kind, detail = "drop", {"strategy": strategy}
-            self.callback.event(Event(kind, g, replica=replica, stage=stage, detail=detail))
+            self.callback.event(Event(kind, g, replica=self.replica_ids[row], stage=stage,
+                                      detail=detail))
 
     # -- inner steps -----------------------------------------------------------------------------
     def _inner_steps(self, g: int, step: StepPlan) -> dict[int, float]:
@@ -321,47 +345,7 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    # -- evaluation and checkpoints --------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss of the global model (replica 0 holds the global weights after every
-        outer step), all stages, no bypass: the mean over the fixed held-out windows. Its
-        standard error (over windows) is kept in `last_eval_stderr`."""
-        window_losses = self.window_losses()
-        self.last_window_losses = window_losses
-        self.last_eval_stderr = standard_error(window_losses)
-        return float(window_losses.mean())
-
-    @property
-    def eval_tokens(self) -> int:
-        """Held-out tokens one evaluation scores."""
-        return sum(int(targets.numel()) for _, targets in self.validation)
-
-    @torch.no_grad()
-    def window_losses(self, *, bypass: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss of every held-out window (float64, on the CPU), global model, optionally
-        with `bypass` (1, S) stages skipped (bypass-damage measurements)."""
-        select = torch.tensor([0], device=self.device)
-        parts = []
-        for ids, targets in self.validation:
-            with self._autocast():
-                parts.append(self.model.window_losses(ids[None].to(self.device),
-                                                      targets[None].to(self.device),
-                                                      select=select, bypass=bypass)[0])
-        return torch.cat(parts).double().cpu()
-
-    def _maybe_evaluate(self, budget: int) -> None:
-        g = self.next_step
-        if g % self.config.train.eval_every == 0 or self._finished(budget):
-            started = time.perf_counter()
-            val = self.evaluate()
-            self.counters.timing["eval_s"] += time.perf_counter() - started
-            if not torch.isfinite(torch.tensor(val)):
-                raise TrainingDiverged(f"validation loss is {val} after global step {g}")
-            self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,
-                                        "val_loss": val, "val_loss_stderr": self.last_eval_stderr})
-            self.callback.metric(Metric("val_loss", g, val, tokens=self.counters.tokens_processed))
-
+    # -- checkpoints -----------------------------------------------------------------------------
     def _maybe_checkpoint(self, started: float, budget: int) -> None:
         every = self.config.train.checkpoint_every
         if not every or self.next_step % every or self._finished(budget):

@@ -21,7 +21,7 @@ def make_client(settings: FlowSettings) -> Any:
     """A `crucible.reporting.ApiClient` for the configured API and token."""
     from crucible.reporting import ApiClient
 
-    return ApiClient(settings.api_url, settings.api_token)
+    return ApiClient(settings.api_url, settings.token)
 
 
 def make_callback(settings: FlowSettings, run_id: str) -> Callback:

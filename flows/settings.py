@@ -2,29 +2,24 @@
 environment. Flow and task code receives a `FlowSettings`; it never reads `os.environ` itself.
 
 Secrets (the API token) come from here, never from flow parameters, which the Prefect UI shows.
+The four client fields are `crucible.client_settings.ClientSettings`'s, shared with the registry
+service's settings and the `crucible api` client commands.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+
+from crucible.client_settings import ClientSettings
 
 __all__ = ["FlowSettings"]
 
 
-class FlowSettings(BaseSettings):
-    """`CRUCIBLE_*` variables the flows read."""
+class FlowSettings(ClientSettings):
+    """`CRUCIBLE_*` variables the flows read: the client settings (`CRUCIBLE_API_URL`,
+    `CRUCIBLE_API_TOKEN`, `CRUCIBLE_STORE_URL`, `CRUCIBLE_S3_ENDPOINT_URL`) and the worker's."""
 
-    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore")
-
-    api_url: str = Field("http://127.0.0.1:8000",
-                         description="Base URL of the Crucible registry API (without /api/v1).")
-    api_token: str | None = Field(None, description="Bearer token for registry writes.")
-    store_url: str | None = Field(
-        None, description="Default object store (file:///path or s3://bucket/prefix) when a run "
-                          "or sweep does not name one; unset: a folder beside each run.")
-    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, R2, moto).")
     work_dir: Path = Field(Path("crucible-work"),
                            description="Where runs write summary.json, jsonl files and spools.")
     spool_dir: Path | None = Field(
@@ -44,23 +39,6 @@ class FlowSettings(BaseSettings):
         False, description="Start runs even when their estimated peak memory exceeds what "
                            "the worker has left (crucible.memory; `crucible run "
                            "--skip-memory-check`).")
-
-    @field_validator("api_url")
-    @classmethod
-    def _no_trailing_slash(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"CRUCIBLE_API_URL={value!r} must start with http:// or https://")
-        return value.rstrip("/")
-
-    @field_validator("store_url")
-    @classmethod
-    def _store_scheme(cls, value: str | None) -> str | None:
-        if not value:
-            return None
-        from crucible.store import parse_store_url  # the one check `store.url` gets too
-
-        parse_store_url(value, field="CRUCIBLE_STORE_URL")
-        return value.rstrip("/")
 
     @property
     def spool_root(self) -> Path:

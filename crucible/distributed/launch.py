@@ -8,8 +8,10 @@ only in the object store. On a host with GPUs, agent r sees GPU r mod n (`CUDA_V
 and its worker runs on `cuda:LOCAL_RANK`.
 
 `launch()` writes `run.json` (config, run key, store URL, fault plan, kill plan) first, waits for
-every agent, then merges the per-replica folders into the run folder: `summary.json` (the
-simulator's keys, summed over replicas where they are counts, plus a `distributed` section),
+every agent, then merges the per-replica folders into the run folder: `summary.json` (built by
+the simulator's builder, `RunCounters.summary`, from counters rebuilt out of the replicas' round
+records and the agreed manifests, so it has every key the simulator's has; plus a `distributed`
+section),
 `events.jsonl`, `metrics.jsonl`, `process.jsonl` (kill / restart / first contribution records
 with wall-clock times) and `model.pt` (the global weights), each written atomically. If the
 launcher is interrupted while the agents run (an exception, Ctrl-C, a test's timeout; the CLI
@@ -30,13 +32,13 @@ from typing import Any
 
 from crucible.config import Config, ConfigError
 from crucible.distributed.worker import check_distributed
-from crucible.events import Event
+from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key
 from crucible.manifest import InvalidManifest, Manifest
 from crucible.model_file import MODEL_FILE
 from crucible.store import KeyNotFound, Store, open_store
-from crucible.summary import write_bytes_atomic, write_json_atomic
+from crucible.summary import RunCounters, write_bytes_atomic, write_json_atomic
 
 __all__ = ["Kill", "launch", "agent_command", "check_kills", "merge"]
 
@@ -192,30 +194,25 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
                     if m.get("name") != "val_loss" or r == first]
         process += _read_jsonl(folder / "process.jsonl")
         rounds[r] = {x["global_step"]: x for x in _read_jsonl(folder / "rounds.jsonl")}
-    events = _with_missing_events(events, agreed) + _process_events(process)
+    # every process reports a `manifest_rejected` it passed over: one event per id
+    events = list({e["id"]: e for e in _with_missing_events(events, agreed)}.values())
+    events += _process_events(process)
     events.sort(key=lambda e: (e["global_step"], e.get("replica") or 0, e["kind"]))
+    through = _run_tokens(rounds, steps=lead["global_steps"])
+    metrics = _with_run_tokens(metrics, through)
     metrics.sort(key=lambda m: (m["global_step"], m["name"], m.get("replica") or 0))
     process.sort(key=lambda p: p["wall"])
-    summary = {k: lead[k] for k in ("preset", "seed", "initial_val_loss",
-                                    "final_val_loss", "val_loss_stderr", "evals", "global_steps",
-                                    "tokens_budget", "synced_params", "faults", "eval_tokens")
-               if k in lead}
-    summary["config"] = ident["config"]
-    done = [x for per in rounds.values() for x in per.values()]
-    summary["tokens_processed"] = sum(x["tokens"] for x in done)
-    summary["budget_met"] = summary["tokens_processed"] >= summary["tokens_budget"]
-    summary["inner_steps"] = [[sum(x["inner_steps"][s] for x in rounds[r].values())
-                               for s in range(S)] for r in range(R)]
-    made = sum(len(m["included"]) + len(m["rejected"]) for m in agreed.values())
-    summary["contributions"] = {"made": made, "missed": R * len(agreed) - made,
-                                "rejected": sum(len(m["rejected"]) for m in agreed.values())}
-    upload = sum(x["upload_bytes"] for x in done)
-    summary["bytes"] = {"boundary_forward": sum(x["boundary_bytes"][0] for x in done),
-                        "boundary_backward": sum(x["boundary_bytes"][1] for x in done),
-                        "boundary_rerouted": 0, "upload": upload,
-                        "dense_upload_equivalent": sum(x["dense_bytes"] for x in done),
-                        "upload_per_global_step": upload / max(summary["global_steps"], 1)}
-    summary["wall_s"] = wall_s
+    counters = _merged_counters(config, lead=lead, rounds=rounds, agreed=agreed, events=events,
+                                wall_s=wall_s)
+    # the simulator's builder, so the merged summary has every key the simulator's has
+    summary = counters.summary(config, plan=FaultPlan.from_list(lead["faults"]),
+                               tokens_budget=lead["tokens_budget"],
+                               global_steps=lead["global_steps"],
+                               synced_params=lead["synced_params"])
+    # what the lead's `Trainer.run` adds beyond the counters (its evaluations of the global
+    # model: eval_tokens, alignment, mapl_bases), its versions and the corpus digest
+    summary.update({k: v for k, v in lead.items() if k not in summary and k not in _REPLICA_ONLY})
+    summary["run_key"], summary["store_url"] = ident["run_key"], ident["store_url"]
     finals = [p["final_val_loss"] for p in parts.values()]
     summary["distributed"] = {
         "replicas": R, "exit_codes": exit_codes, "finished": sorted(parts),
@@ -229,7 +226,6 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
                           for r in range(R)},
         "devices": {str(r): p["device"] for r, p in parts.items()},
     }
-    summary["versions"] = lead["versions"]
     write_bytes_atomic(out / "events.jsonl", _jsonl_bytes(events))
     write_bytes_atomic(out / "metrics.jsonl", _jsonl_bytes(metrics))
     write_bytes_atomic(out / "process.jsonl", _jsonl_bytes(process))
@@ -238,6 +234,81 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
     os.replace(tmp, out / MODEL_FILE)
     write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+# keys of a replica's own summary.json that describe the process, not the run (the merged
+# summary's `distributed` section has them per replica)
+_REPLICA_ONLY = frozenset({"replica", "restarts", "rejoined_at", "round_waits_s", "device"})
+
+
+def _merged_counters(config: Config, *, lead: dict[str, Any],
+                     rounds: dict[int, dict[int, dict[str, Any]]],
+                     agreed: dict[tuple[int, int], dict[str, Any]], events: list[dict[str, Any]],
+                     wall_s: float) -> RunCounters:
+    """The run's `RunCounters` rebuilt from what survives a SIGKILL, for `RunCounters.summary`.
+
+    Per replica and round (`rounds.jsonl`): tokens, inner steps, boundary and upload bytes and
+    whether a stage of the replica was down. Per round and stage (the agreed manifests):
+    contributions made, missed and rejected, and outer steps skipped (no contribution agreed).
+    A round a replica did not train (its process was dead) counts as a down replica-step, as in
+    the simulator's equivalent, `drop`. `donor_load` stays zero and `boundary_rerouted` 0:
+    reroute, the only strategy with donors, is refused in distributed mode. The evaluations and
+    `timing` are the lead replica's (the phases of one process; the processes run in parallel,
+    so a sum would exceed the wall clock); `wall_s` is the launcher's."""
+    import torch
+
+    R, S, steps = config.replicas, config.pipeline.stages, lead["global_steps"]
+    counters = RunCounters.empty(replicas=R, stages=S)
+    done = [x for per in rounds.values() for x in per.values()]
+    counters.inner_steps = torch.tensor(
+        [[sum(x["inner_steps"][s] for x in rounds[r].values()) for s in range(S)]
+         for r in range(R)], dtype=torch.long)
+    counters.tokens_processed = sum(x["tokens"] for x in done)
+    counters.replica_steps = R * steps
+    counters.down_replica_steps = sum(1 for r in range(R) for g in range(steps)
+                                      if g not in rounds[r] or rounds[r][g].get("down", False))
+    made = sum(len(m["included"]) + len(m["rejected"]) for m in agreed.values())
+    counters.made, counters.missed = made, R * len(agreed) - made
+    counters.rejected = sum(len(m["rejected"]) for m in agreed.values())
+    counters.manifests_rejected = sum(1 for e in events if e["kind"] == "manifest_rejected")
+    counters.skipped_outer_steps = sum(1 for g in range(steps) for s in range(S)
+                                       if not agreed.get((g, s), {}).get("included"))
+    counters.bytes_forward = sum(x["boundary_bytes"][0] for x in done)
+    counters.bytes_backward = sum(x["boundary_bytes"][1] for x in done)
+    counters.bytes_upload = sum(x["upload_bytes"] for x in done)
+    counters.bytes_dense = sum(x["dense_bytes"] for x in done)
+    counters.initial_val_loss = lead["initial_val_loss"]
+    # an evaluation after global step g - 1 is at the run's tokens, not the lead replica's own
+    through = _run_tokens(rounds, steps=steps)
+    counters.evals = [dict(e, tokens=through[e["global_step"] - 1] if e["global_step"] else 0)
+                      for e in lead["evals"]]
+    counters.wall_s = wall_s
+    counters.timing = dict(lead["timing"])
+    return counters
+
+
+def _run_tokens(rounds: dict[int, dict[int, dict[str, Any]]], *, steps: int) -> list[int]:
+    """Tokens the run processed through each global step (inclusive), over every replica."""
+    out, total = [], 0
+    for g in range(steps):
+        total += sum(per[g]["tokens"] for per in rounds.values() if g in per)
+        out.append(total)
+    return out
+
+
+def _with_run_tokens(metrics: list[dict[str, Any]], through: list[int]) -> list[dict[str, Any]]:
+    """The replicas' metrics with the simulator's `tokens`: the run's count (a process counts
+    its own), and the run's `tokens` metric after every global step (a process has none)."""
+    out = []
+    for m in metrics:
+        g = m["global_step"]
+        if m["name"] == "val_loss":        # evaluated after global step g - 1
+            m = dict(m, tokens=through[g - 1] if g else 0)
+        elif m.get("tokens") is not None and g < len(through):
+            m = dict(m, tokens=through[g])
+        out.append(m)
+    out += [Metric("tokens", g, float(n), tokens=n).to_dict() for g, n in enumerate(through)]
+    return out
 
 
 def _agreed_sets(store: Store, run_key: str, *, steps: int,

@@ -27,6 +27,7 @@ from crucible.gather import (
     agree,
     contribution_key,
     load_agreed,
+    manifest_events,
     manifest_key,
     upload_contribution,
 )
@@ -91,6 +92,9 @@ class ReplicaSync(OuterSync):
             manifest = self._agree(global_step, stage, made)
             self._apply(stage, manifest)
             results[stage].applied = bool(manifest.included)
+            # every peer walks the same manifest keys: the merge keeps one event per id
+            results[stage].manifest_events = [e for e in manifest_events(manifest)
+                                              if e.kind == "manifest_rejected"]
             mine = self.replica
             if mine in manifest.included or any(x.replica == mine for x in manifest.rejected):
                 results[stage].made.append(mine)

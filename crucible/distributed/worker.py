@@ -6,8 +6,10 @@
 The process is the simulator's replica r, restricted to it: the same model code with one replica
 row (`ReplicatedPipeline` with R' = 1), the same data stream (`generator(seed, DATA_STREAM, r)`),
 the same initial weights, the same fault plan (drawn for all R replicas; the process applies its
-own row) and the same inner loop (`crucible.train.Trainer`'s, inherited). Only the outer round
-differs: contributions travel through the store to peers in other processes, with a deadline
+own row) and the same trainer: `ReplicaTrainer` is `crucible.train.Trainer` holding replica r
+(its constructor, global step, rejoin resets, evaluation and summary, with the replica's data
+view, outer round and step-plan row injected). Only the outer round differs: contributions
+travel through the store to peers in other processes, with a deadline
 (`crucible.distributed.sync`). The run's identity and plan come from `DIR/run.json`, written by
 `crucible.distributed.launch`; the process writes `DIR/replicas/replica-<r>/` (its events,
 metrics and, at the end, `summary.json`, atomically).
@@ -38,17 +40,14 @@ import torch
 
 from crucible.boundary import wire_bytes
 from crucible.config import Config, ConfigError
-from crucible.data import TokenData, check_token_budget, load_tokens
+from crucible.data import TokenData, token_digest
 from crucible.distributed.sync import ReplicaSync
-from crucible.events import Event, JsonlCallback, Metric
-from crucible.faults import FaultPlan, draw_plan
+from crucible.events import JsonlCallback
+from crucible.faults import FaultPlan
 from crucible.model_file import MODEL_FILE, save_global_weights
-from crucible.optim import ReplicaAdamW
-from crucible.pipeline import ReplicatedPipeline
-from crucible.presets import tokens_per_global_step
 from crucible.store import Store, open_store
-from crucible.strategy import StepPlan, plan_step
-from crucible.summary import RunCounters, write_json_atomic
+from crucible.strategy import StepPlan
+from crucible.summary import write_json_atomic
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
@@ -98,6 +97,10 @@ class _ReplicaData:
     def validation(self, **kwargs: Any):
         return self.data.validation(**kwargs)
 
+    def digest(self) -> str:
+        """The corpus's `token_digest` (the simulator's summary has it as `data_digest`)."""
+        return token_digest(self.data.train.numpy(), self.data.val.numpy())
+
     def state_dict(self):
         return self.data.state_dict()
 
@@ -111,46 +114,44 @@ def _row(step: StepPlan, replica: int) -> StepPlan:
 
 
 class ReplicaTrainer(Trainer):
-    """The simulator's `Trainer` restricted to replica `replica` (one replica row inside)."""
+    """The simulator's `Trainer` holding replica `replica` only (one model row): it injects that
+    replica's view of the data, its `ReplicaSync` and its row of each step plan; what is its own
+    is the planned kill, the rejoin of a restarted process, the round record and the clipping
+    at the simulator's width."""
 
     def __init__(self, config: Config, *, replica: int, store: Store, run_key: str,
                  callback: JsonlCallback, device: torch.device, plan: FaultPlan | None = None,
                  kills: list[int] | None = None, rejoined: bool = False) -> None:
         check_distributed(config)
-        self.config, self.store, self.run_key, self.callback = config, store, run_key, callback
-        self.replica, self.device = replica, device
-        self.R, self.S, self.H = 1, config.pipeline.stages, config.sparseloco.inner_steps
-        tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
-        data = TokenData(tokens, model=config.model, data=config.data,
-                         replicas=config.replicas, seed=config.seed)
-        self.data = _ReplicaData(data, replica)
-        check_token_budget(len(data.train),
-                           budget=tokens_per_global_step(config) * config.train.global_steps,
-                           data=config.data, preset=config.preset)
-        local = config.replace(replicas=1)
-        self.model = ReplicatedPipeline(local).to_device(device)
-        self.optimizer = ReplicaAdamW([self.model.stage_params(s) for s in range(self.S)],
-                                      self.model.layouts, train=config.train, replicas=1)
-        self.stiefel_momentum = {s: torch.zeros_like(p["basis"]) for s in range(self.S)
-                                 if "basis" in (p := self.model.stage_params(s))}
-        self.sync = ReplicaSync(config, self.model, store=store, run_key=run_key, replica=replica)
-        self.validation = data.validation(tokens=config.train.eval_tokens,
-                                          batch_size=config.train.eval_batch_size)
-        self.max_steps = config.train.global_steps
-        self.plan = plan if plan is not None else draw_plan(
-            seed=config.seed, p=config.faults.p, duration=config.faults.duration,
-            replicas=config.replicas, stages=self.S, horizon=self.max_steps)
-        self.plan.validate(replicas=config.replicas, stages=self.S)
+        self.replica = replica
         self.kills = sorted(kills or [])
-        self.counters = RunCounters.empty(replicas=1, stages=self.S)
-        self.next_step = 0
-        self.last_eval_stderr: float | None = None
-        self.last_window_losses: torch.Tensor | None = None
         self.rejoined_at: int | None = None
         self.contributed = False
+        super().__init__(config, store=store, run_key=run_key, callback=callback, plan=plan,
+                         device=device, replicas=[replica])
         if rejoined:
             self._rejoin()
 
+    # -- what it injects into the simulator's trainer --------------------------------------------
+    def _data_view(self, data: TokenData) -> _ReplicaData:
+        return _ReplicaData(data, self.replica)
+
+    def _make_sync(self) -> ReplicaSync:
+        return ReplicaSync(self.config, self.model, store=self.store, run_key=self.run_key,
+                           replica=self.replica)
+
+    def _local_step(self, step: StepPlan) -> StepPlan:
+        return _row(step, self.replica)
+
+    def _report_tokens(self, g: int) -> None:
+        """None: the run's token count is the sum over the processes (the merged summary's
+        `tokens_processed`, from `rounds.jsonl`); this process knows only its own."""
+
+    def _clip(self) -> None:
+        clip_as_batched(self.optimizer.parameters(), self.config.train.grad_clip,
+                        replica=self.replica, replicas=self.config.replicas)
+
+    # -- its own: kill, rejoin, round record -----------------------------------------------------
     def _rejoin(self) -> None:
         """A restarted process: the current global weights from the store (once the round it
         was killed in is agreed without it), fresh AdamW state and error feedback (as built),
@@ -163,29 +164,14 @@ class ReplicaTrainer(Trainer):
         self.data.skip(batches=self.next_step * self.H, batch_size=self.config.train.batch_size)
         self.config = self.config.replace(train=_no_initial_eval(self.config))
 
-    # -- one round -------------------------------------------------------------------------------
-    def global_step(self, g: int) -> None:
-        """faults (planned kill, stage failures) -> H inner steps -> outer round via the store."""
-        self._maybe_kill(g)
-        full = plan_step(self.plan, g, config=self.config)
-        step = _row(full, self.replica)
-        self._apply_rejoins(g)
-        self._report_own_faults(g, step)
-        started = time.perf_counter()
-        losses = self._inner_steps(g, step)
-        synced = time.perf_counter()
-        results = self.sync.synchronise(g, full.contributes)
-        self.counters.timing["inner_s"] += synced - started
-        self.counters.timing["sync_s"] += time.perf_counter() - synced
-        self.counters.record_sync(g, results, self.callback)
-        self.counters.record_step(step, h=self.H, tokens_per_replica=self._tokens_per_replica(),
-                                  config=self.config)
-        self._record_round(g, step, results)
-        for loss in losses.values():
-            self.callback.metric(Metric("train_loss", g, loss, replica=self.replica,
-                                        tokens=self.counters.tokens_processed))
+    def _round_starts(self, g: int) -> None:
+        """A planned kill: record it, then SIGKILL this process (the elastic agent restarts it)."""
+        if g in self.kills and not _fired(self.callback.out_dir, g):
+            _record(self.callback, "kill", g, self.replica)
+            self.callback.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    def _record_round(self, g: int, step: StepPlan, results: list[StageSyncResult]) -> None:
+    def _round_done(self, g: int, step: StepPlan, results: list[StageSyncResult]) -> None:
         """`rounds.jsonl` (what the merged summary counts: it survives a SIGKILL) and the first
         contribution after a rejoin."""
         made = any(r.made for r in results)
@@ -198,48 +184,11 @@ class ReplicaTrainer(Trainer):
             "global_step": g, "replica": self.replica,
             "tokens": tokens * int(step.loss_weight[0] > 0),
             "inner_steps": (step.active[0].long() * self.H).tolist(),
+            "down": bool(step.down[0].any()),
             "boundary_bytes": [n * crossings for n in wire_bytes(self.config)],
             "upload_bytes": sum(r.upload_bytes for r in results),
             "dense_bytes": sum(r.dense_bytes for r in results),
             "wait_s": self.sync.waits_s[-1], "restart": _restart_count()})
-
-    def _maybe_kill(self, g: int) -> None:
-        if g in self.kills and not _fired(self.callback.out_dir, g):
-            _record(self.callback, "kill", g, self.replica)
-            self.callback.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _apply_rejoins(self, g: int) -> None:
-        for failure in self.plan.rejoining(g):
-            if failure.replica != self.replica:
-                continue
-            s = failure.stage
-            self.optimizer.reset(replica=0, stage=s)
-            self.sync.reset_error(replica=0, stage=s)
-            if s in self.stiefel_momentum:
-                self.stiefel_momentum[s][0].zero_()
-            self.callback.event(Event("rejoin", g, replica=self.replica, stage=s, detail={
-                "reset": ["adamw_moments", "adamw_step", "error_feedback"],
-                "down_steps": failure.duration}))
-
-    def _report_own_faults(self, g: int, step: StepPlan) -> None:
-        strategy = self.config.faults.strategy
-        for failure in self.plan.starting(g):
-            if failure.replica == self.replica:
-                self.callback.event(Event("failure_start", g, replica=self.replica,
-                                          stage=failure.stage, detail={
-                                              "duration": failure.duration, "strategy": strategy}))
-        for _, stage in step.down_pairs():
-            kind = "bypass" if bool(step.bypass[0, stage]) else "drop"
-            self.callback.event(Event(kind, g, replica=self.replica, stage=stage,
-                                      detail={"strategy": strategy}))
-
-    def _clip(self) -> None:
-        clip_as_batched(self.optimizer.parameters(), self.config.train.grad_clip,
-                        replica=self.replica, replicas=self.config.replicas)
-
-    def _maybe_checkpoint(self, started: float, budget: int) -> None:
-        """No checkpoints: a restarted replica restores from the global weights in the store."""
 
 
 @torch.no_grad()
@@ -342,7 +291,7 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any]:
     callback.flush()
     summary.update(replica=replica, restarts=restart, rejoined_at=trainer.rejoined_at,
                    round_waits_s=trainer.sync.waits_s, device=str(device),
-                   versions=_versions(device))
+                   versions=_versions(device), data_digest=trainer.data.digest())
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
     write_json_atomic(out / "summary.json", summary)
     callback.close()

@@ -85,6 +85,52 @@ def test_two_processes_match_the_simulator_bit_for_bit(tmp_path: Path) -> None:
     _check_agreement(2, 2, tmp_path)
 
 
+def _fault_events(run_dir: Path) -> list[tuple]:
+    kinds = {"failure_start", "bypass", "drop", "rejoin", "contribution_missing",
+             "contribution_rejected", "manifest_rejected"}
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return sorted((e["kind"], e["global_step"], e["replica"], e["stage"],
+                   json.dumps(e["detail"], sort_keys=True)) for e in events if e["kind"] in kinds)
+
+
+def test_the_merged_summary_is_the_simulators_summary_plus_a_distributed_section(
+        tmp_path: Path) -> None:
+    # one summary builder for both modes: the same keys, and the same values wherever the two
+    # runs are the same run. The plan makes the fault counters non-trivial: stage 1 down in both
+    # replicas at step 0 (no contribution: a skipped outer step), replica 1's stage 2 at step 1
+    from crucible.faults import FaultPlan
+    from crucible.train import train
+
+    config = _config(2, 2, "faults.strategy=skip")
+    plan = FaultPlan().down(replica=0, stage=1, start=0, steps=1).down(
+        replica=1, stage=1, start=0, steps=1).down(replica=1, stage=2, start=1, steps=1)
+    dist = launch(config, out_dir=tmp_path / "dist", plan=plan)
+    sim = train(config, out_dir=tmp_path / "sim", plan=plan)
+    assert set(dist) == set(sim) | {"distributed"}
+    for key in ("bytes", "contributions", "timing", "versions"):
+        assert set(dist[key]) == set(sim[key]), key
+    assert sim["skipped_outer_steps"] == 1
+    assert sim["replica_down_fraction"] == 3 / 4
+    assert "alignment" in sim
+    same = ("preset", "seed", "config", "initial_val_loss", "final_val_loss", "val_loss_stderr",
+            "evals", "global_steps", "tokens_budget", "tokens_processed", "budget_met",
+            "inner_steps", "contributions", "manifests_rejected", "skipped_outer_steps", "bytes",
+            "synced_params", "faults", "replica_down_fraction", "donor_load",
+            "donor_extra_fraction", "eval_tokens", "alignment", "data_digest")
+    assert {k: dist[k] for k in same} == {k: sim[k] for k in same}
+    ident = json.loads((tmp_path / "dist" / "run.json").read_text())
+    assert (dist["run_key"], dist["store_url"]) == (ident["run_key"], ident["store_url"])
+    assert dist["wall_s"] > 0 and all(v >= 0 for v in dist["timing"].values())
+    # the fault events come from the same code too: failures, bypasses, rejoins, missing
+    assert _fault_events(tmp_path / "dist") == _fault_events(tmp_path / "sim")
+    # and the metrics: losses to the bit, at the run's token counts
+    assert _records(tmp_path / "dist" / "metrics.jsonl") == _records(tmp_path / "sim" / "metrics.jsonl")
+
+
+def _records(path: Path) -> list[str]:
+    return sorted(json.dumps(json.loads(x), sort_keys=True) for x in path.read_text().splitlines())
+
+
 @pytest.mark.slow
 def test_four_processes_through_s3_match_the_simulator_bit_for_bit(
         tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
