@@ -27,11 +27,10 @@ from crucible.gather import (
     agree,
     contribution_key,
     load_agreed,
-    manifest_events,
     manifest_key,
     upload_contribution,
 )
-from crucible.manifest import Manifest, manifest_limit
+from crucible.manifest import Manifest, manifest_events, manifest_limit
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import aggregate
 from crucible.sparseloco.codec import encode_contributions_batched
