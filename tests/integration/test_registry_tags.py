@@ -4,6 +4,7 @@ atomic under concurrent edits) by PATCH, validated with 422s naming the field, f
 the `crucible api tag` / `crucible api note` commands."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -270,9 +271,10 @@ def _check_0004_round_trip(url: str) -> None:
                 " 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
                 {"id": uuid.uuid4().hex if sqlite else str(uuid.uuid4())})
         upgrade(url, "0004")
+        with engine.connect() as conn:   # by SQL: the ORM's runs are head's (later columns)
+            tags, notes = conn.execute(sa.text("SELECT tags, notes FROM runs")).one()
+            assert (tags if isinstance(tags, list) else json.loads(tags)) == [] and notes is None
         with make_session_factory(engine)() as session:
-            run = session.scalars(sa.select(Run)).one()
-            assert run.tags == [] and run.notes is None
             sweep = crud.list_sweeps(session)[0][0]
             assert sweep.tags == [] and sweep.notes is None
         downgrade(url, "0003")
@@ -290,6 +292,38 @@ def test_migration_0004_gives_existing_rows_no_tags_and_downgrades_postgres(fres
 
 def test_migration_0004_gives_existing_rows_no_tags_and_downgrades_sqlite(tmp_path):
     _check_0004_round_trip(f"sqlite:///{tmp_path / 'crucible.db'}")
+
+
+def _check_0006_round_trip(url: str) -> None:
+    """Migration 0006: a run stored before it reads label '' (an unlabelled cell) through the
+    ORM, and downgrading drops the column."""
+    upgrade(url, "0005")
+    engine = sa.create_engine(url)
+    run_id = uuid.uuid4()
+    try:
+        with engine.begin() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+            conn.execute(sa.text(
+                "INSERT INTO runs (id, config, compression, strategy, p, duration, seed, preset,"
+                " status, created_at, updated_at) VALUES (:id, '{}', 'ssn', 'skip', 0.1, 6, 0,"
+                " 'smoke', 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                {"id": run_id.hex if sqlite else str(run_id)})
+        upgrade(url)
+        with make_session_factory(engine)() as session:
+            assert session.scalars(sa.select(Run)).one().label == ""
+        downgrade(url, "0005")
+        assert "label" not in {c["name"] for c in sa.inspect(engine).get_columns("runs")}
+    finally:
+        engine.dispose()
+    downgrade(url)
+
+
+def test_migration_0006_gives_existing_runs_no_label_and_downgrades_postgres(fresh_pg_url):
+    _check_0006_round_trip(fresh_pg_url)
+
+
+def test_migration_0006_gives_existing_runs_no_label_and_downgrades_sqlite(tmp_path):
+    _check_0006_round_trip(f"sqlite:///{tmp_path / 'crucible.db'}")
 
 
 # ---------------------------------------------------------------- CLI
