@@ -59,9 +59,10 @@ GRID_KEYS = ("seed", "pipeline.compression", "faults.p", "faults.strategy")
 # with the arm's shared p = 0 baseline
 BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode",)
 # fields that describe a spec without changing what it runs (SweepSpec.identity): how it is
-# read (its claims' margins and target) and where a study keeps its files are not what it runs
+# read (its claims' margins and target), where a study keeps its files and how many cells run
+# at once are not what it runs
 ANNOTATIONS = ("tags", "notes", "title", "files", "close_margin", "equivalence_margin",
-               "target_half_width")
+               "target_half_width", "max_concurrent_runs")
 # fields added after specs were first stored: left out of the identity while unset, so a sweep
 # stored by an earlier release is continued by its re-run
 _LATER_OPTIONAL = ("max_seeds", "grid")

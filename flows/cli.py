@@ -89,6 +89,7 @@ def _print_table(table: dict[str, Any], title: str) -> None:
     One-seed cells have no interval: they are marked against the noise floor that the
     committed failure study measured (crucible.study.noise_floor)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from crucible import study
@@ -99,7 +100,7 @@ def _print_table(table: dict[str, Any], title: str) -> None:
     view = Table(title=title, caption=_caption(one_seed, floor))
     view.add_column("p")
     for column in table["columns"]:
-        view.add_column(str(column), justify="right")
+        view.add_column(escape(str(column)), justify="right")    # mapl/skip[label]: not markup
     for row in table["rows"]:
         cells = [_cell_text(row["cells"].get(column), row["p"], floor)
                  for column in table["columns"]]

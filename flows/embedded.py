@@ -176,12 +176,13 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
     from flows.sweep_flow import failure_sweep, find_sweep
 
     work_dir = work_dir.resolve()
+    own_prefect = not os.environ.get("PREFECT_API_URL")     # else a server's: its limits stay
     threads = {"CRUCIBLE_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
     if skip_memory_check:
         threads["CRUCIBLE_SKIP_MEMORY_CHECK"] = "true"
     with embedded_registry(work_dir) as registry, embedded_prefect(work_dir), \
             flow_environment(registry.api_url, registry.token, work_dir, extra=threads):
-        if torch_threads and not _has_cuda():
+        if own_prefect and torch_threads == 1 and not _has_cuda():
             # this Prefect database is the stack's own: on a CPU-only host, as many one-thread
             # cells train at once as the sweep runs (one slot would run them one at a time)
             from flows.gpu import set_gpu_limit

@@ -52,7 +52,7 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
-from crucible.config import Config
+from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry_client import ApiError, ApiUnavailable
 from crucible.spec import Cell, SweepSpec, identity_of
@@ -94,11 +94,18 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     """Resolve every cell's config up front (default: the spec's grid); raises ConfigError
     before anything is registered."""
     store = spec.store_url or settings.store_url
-    planned = []
+    planned: list[_Planned] = []
+    seen: dict[str, Cell] = {}
     for cell in spec.cells() if cells is None else cells:
         overrides = cell.overrides(spec)
         config = resolve_config(spec.preset, overrides, store, settings.s3_endpoint_url)
-        planned.append(_Planned(cell, overrides, config, config_fingerprint(config)))
+        fingerprint = config_fingerprint(config)
+        if fingerprint in seen:
+            raise ConfigError(f"spec.grid: cell {cell.label} runs the same configuration as "
+                              f"{seen[fingerprint].label} (a block's `set` that changes nothing "
+                              "under this preset); remove the block or set another value")
+        seen[fingerprint] = cell
+        planned.append(_Planned(cell, overrides, config, fingerprint))
     return planned
 
 
@@ -401,6 +408,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     results = _run_cells(spec, sweep_id, todo, settings, on_done)
     drain_spools(settings)     # cells that ended owing records may be complete now
     results = _registry_status(results, settings)
+    if spec.files is not None:
+        _keep_all(spec, todo, settings)
     rounds: list[dict[str, Any]] = []
     if spec.max_seeds is not None and not any(r["status"] == "failed" for r in results):
         rounds = _precision_rounds(spec, sweep_id, planned, settings)
@@ -473,6 +482,13 @@ def _keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
     return keep
 
 
+def _keep_all(spec: SweepSpec, items: list[_Planned], settings: FlowSettings) -> None:
+    """Keep the result of every completed cell of `items` that has no file yet (a run that a
+    spool replay completed after its cell ended)."""
+    for item in items:
+        _keep_study_result(spec, item, settings)
+
+
 def _has_result(spec: SweepSpec, cell: Cell) -> bool:
     """A study's cell whose result file exists (never for a plain sweep)."""
     if spec.files is None:
@@ -490,15 +506,20 @@ def _keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) 
     if spec.files is None or item.run_id is None or _has_result(spec, item.cell):
         return
     from crucible.study.runner import check_result, keep_result
-    from crucible.study.spec import result_path
+    from crucible.study.spec import StudyError, result_path
 
     with make_client(settings) as client:
         run = client.get_run(item.run_id)
     if run.get("status") != "completed" or not run.get("summary"):
         return
     summary = {"config": run["config"], **run["summary"]}
-    check_result(summary, item.cell, result_path(spec, item.cell))
-    keep_result(spec, item.cell, summary, jobs=spec.max_concurrent_runs)
+    try:
+        check_result(summary, item.cell, result_path(spec, item.cell))
+        keep_result(spec, item.cell, summary, jobs=spec.max_concurrent_runs)
+    except (OSError, StudyError) as exc:   # the run stays in the registry; the sweep goes on
+        get_run_logger().error("cell %s: its result file was not written (%s); the next "
+                               "`crucible study run` writes it from the registry",
+                               item.cell.id, exc)
 
 
 def _registry_status(results: list[dict[str, Any]],

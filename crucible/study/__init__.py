@@ -1,6 +1,7 @@
-"""The failure study: a committed grid spec, a resumable runner, and the generated results document.
+"""The failure study: a committed grid spec, run on the failure-sweep flow, and the generated results
+document.
 
-    crucible study run studies/table1-d128.toml [--jobs 2] [--seeds 0,1] [--limit N] [--dry-run]
+    crucible study run studies/table1-d128.toml [--jobs 2] [--seeds 0,1] [--dry-run]
     crucible study render studies/table1-d128.toml [--check] [--no-figures]
     crucible study adopt studies/table1-d128.toml   # identical runs of its `reuse` specs
 
@@ -11,7 +12,8 @@ every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-pres
 table the document shows, crucible.pilot), `token_check` (half-tokens and full pilot specs),
 `scale` (specs running some cells at a larger model, crucible.scale), `reuse` (specs whose runs
 with exactly a cell's configuration count as that cell), `close_margin`, `resolve_threshold`
-(the target half-width) and `equivalence_margin` (claim (e)). It expands into cells with stable
+(or `target_half_width`: the target half-width), `equivalence_margin` (claim (e)), `duration`,
+`global_steps` and `max_seeds` (seeds by precision: the rounds' seeds are read back too). It expands into cells with stable
 ids:
 
     none-base-s0                      the p = 0 baseline of an arm and seed, shared by every
@@ -35,7 +37,7 @@ Paths inside a spec are relative to the spec file's folder. Relative paths print
 document are relative to the folder above it (the repository root for `studies/NAME.toml`).
 
 The code, one concern a module: crucible.study.spec (the spec and its cells),
-crucible.study.runner (running cells, keeping and loading results), crucible.study.data
+crucible.study.runner (keeping, adopting and loading results), crucible.study.data
 (`StudyData`, the noise floor), crucible.study.document (the Markdown document and `render`),
 crucible.study.formatting (how it writes numbers and verdicts), crucible.study.figures (the PNG
 figures) and crucible.study.cli (`crucible study ...`). This package re-exports their names.
@@ -84,6 +86,7 @@ from crucible.study.spec import (
     completed_cells,
     load_spec,
 )
+from crucible.study.spec import result_cells as result_cells
 from crucible.study.spec import result_path as result_path
 
 __all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "load_results", "StudyData",

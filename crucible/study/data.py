@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from crucible.names import COMPLETED
-from crucible.spec import GridKey, SweepSpec, expand_cells, grid_keys
+from crucible.spec import GridKey, SweepSpec, grid_keys
 from crucible.stats import CellKey, Claim, Stat, evaluate_claims, paired_degradations, stat_of
 from crucible.study.runner import load_results
-from crucible.study.spec import DEFAULT_SPEC, load_spec
+from crucible.study.spec import DEFAULT_SPEC, load_spec, result_cells
 
 NOISE_FLOOR_Z = 1.96      # one seed's value lies within ± 1.96 sd of its cell's mean (95%)
 
@@ -33,7 +33,7 @@ class StudyData:
     def __init__(self, spec: SweepSpec, results: Mapping[str, dict[str, Any]]) -> None:
         self.spec = spec
         self.results = dict(results)
-        self.cells = expand_cells(spec)
+        self.cells = result_cells(spec)
         self.keys = grid_keys(spec)
         self.by_key: dict[GridKey, dict[int, dict[str, Any]]] = {}
         for cell in self.cells:

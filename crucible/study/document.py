@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import GridKey, SweepSpec
+from crucible.spec import GridKey, SweepSpec, expand_cells
 from crucible.stats import (
     BLOG_DROP,
     BLOG_SKIP,
@@ -156,8 +156,10 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
 
 
 def _missing_count(data: StudyData) -> tuple[int, int]:
-    expected = len(data.cells)
-    return expected - sum(1 for c in data.cells if c.id in data.results), expected
+    """(not run, expected) over the grid's listed cells (a precision round's seeds are extra,
+    never owed)."""
+    cells = expand_cells(data.spec)
+    return len(cells) - sum(1 for c in cells if c.id in data.results), len(cells)
 
 
 def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None = None) -> str:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from crucible.spec import Cell, SweepSpec, expand_cells
-from crucible.study.spec import StudyError, load_spec, result_path
+from crucible.spec import Cell, SweepSpec
+from crucible.study.spec import StudyError, load_spec, result_cells, result_path
 from crucible.summary import write_json_atomic
 
 MAX_RESULT_BYTES = 50_000
@@ -194,9 +194,10 @@ def check_result(summary: Mapping[str, Any], cell: Cell, path: Path) -> None:
 
 
 def load_results(spec: SweepSpec) -> dict[str, dict[str, Any]]:
-    """The result files of the spec's cells, by cell id (other files are ignored)."""
+    """The result files of the spec's cells (`result_cells`: precision rounds' seeds too), by
+    cell id (other files are ignored)."""
     found: dict[str, dict[str, Any]] = {}
-    for cell in expand_cells(spec):
+    for cell in result_cells(spec):
         path = result_path(spec, cell)
         if not path.is_file():
             continue

@@ -157,6 +157,7 @@ def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
     except ValidationError as exc:
         raise StudyError(_problem(path, exc.errors()[0])) from None
     _check_configs(spec, path)
+    _check_distinct(spec, path)
     return spec
 
 
@@ -178,6 +179,42 @@ def _check_configs(spec: SweepSpec, path: Path) -> None:
         except ConfigError as exc:
             where = "set" if cell.block is None else f"grid[{cell.block}]"
             raise StudyError(f"{_where(path, where)}: cell {cell.id}: {exc}") from None
+
+
+def result_cells(spec: SweepSpec) -> list[Cell]:
+    """The cells whose result files a study reads: its grid's, then, with `max_seeds`, every
+    seed a precision round may add (rounds take the lowest seeds a cell has no run of, and the
+    arm's baseline of each)."""
+    import dataclasses
+
+    cells = spec.cells()
+    if spec.max_seeds is None:
+        return cells
+    have = {cell.id for cell in cells}
+    templates = {cell.key: cell for cell in cells}
+    for seed in range(max(spec.all_seeds) + 1 + spec.max_seeds):
+        for template in templates.values():
+            cell = dataclasses.replace(template, seed=seed)
+            if cell.id not in have:
+                have.add(cell.id)
+                cells.append(cell)
+    return cells
+
+
+def _check_distinct(spec: SweepSpec, path: Path) -> None:
+    """Two cells with one resolved config would be one run under two names (a block whose
+    `set` is the preset's own value): refuse it, naming both."""
+    from crucible.config import apply_overrides
+    from crucible.presets import get_preset
+
+    base, seen = get_preset(spec.preset), {}
+    for cell in spec.cells():
+        key = apply_overrides(base, cell.overrides(spec)).to_json()
+        if key in seen:
+            raise StudyError(f"{_where(path, f'grid[{cell.block}]')}: cell {cell.id} runs the "
+                             f"same configuration as {seen[key]} (its `set` changes nothing "
+                             "under this preset); remove the block or set another value")
+        seen[key] = cell.id
 
 
 def result_path(spec: SweepSpec, cell: Cell) -> Path:

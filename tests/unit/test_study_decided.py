@@ -11,7 +11,7 @@ import pytest
 
 from crucible import stats, study
 from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import SweepSpec, expand_cells
+from crucible.spec import GridKey, SweepSpec, expand_cells
 from crucible.stats import t_quantile
 from tests.unit.test_study import fake_summary, fill, write_spec
 
@@ -532,3 +532,32 @@ def test_a_study_refuses_runs_from_a_second_cpu_model(tmp_path: Path) -> None:
     assert "Intel(R) Xeon(R) Processor" in message and "AMD EPYC" in message
     assert "--allow-mixed-cpus" in message
     assert study.cpu_model("x86_64, 2 CPUs, AMD EPYC 7B13, 64-Core") == "AMD EPYC 7B13, 64-Core"
+
+
+def test_a_precision_rounds_seeds_are_read_back_and_not_owed(tmp_path: Path) -> None:
+    """max_seeds: result files of seeds beyond the listed ones (a precision round's) count in
+    the cell's statistics, and the document never lists them as not run."""
+    spec = study.load_spec(write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0, 1]\n'
+                                                'max_seeds = 3\n[[grid]]\narms = ["ssn"]\n'
+                                                'strategies = ["skip"]\np = [0.1]\n'))
+    fill(spec, {"ssn-skip-p0.1": [0.5, 0.7]})
+    assert study.StudyData(spec, study.load_results(spec)).degradation(
+        GridKey("ssn", "skip", 0.1)).keys() == {0, 1}
+    for cell in study.result_cells(spec):                  # seed 2: what a round added
+        if cell.seed == 2:
+            loss = 2.0 if cell.key.is_baseline else 2.0 * 1.009
+            study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, loss,
+                                                                             spec=spec)))
+    data = study.StudyData(spec, study.load_results(spec))
+    assert sorted(data.degradation(GridKey("ssn", "skip", 0.1))) == [0, 1, 2]
+    assert study._missing_count(data) == (0, 4)
+
+
+def test_a_block_that_changes_nothing_is_refused(tmp_path: Path) -> None:
+    """A labelled block whose `set` is the preset's own value would be one run under two names."""
+    with pytest.raises(study.StudyError, match="runs the same configuration as"):
+        study.load_spec(write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0]\n'
+                                             '[[grid]]\narms = ["mapl"]\nstrategies = ["skip"]\n'
+                                             'p = [0.1]\n[[grid]]\narms = ["mapl"]\n'
+                                             'strategies = ["skip"]\np = [0.1]\n'
+                                             'set = ["pipeline.bypass_decode=identity"]\n'))

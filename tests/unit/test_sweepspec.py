@@ -203,3 +203,20 @@ def test_the_flow_plans_a_labelled_block_with_its_overrides() -> None:
     assert sender.config.pipeline.bypass_decode == "sender"
     assert planned["mapl-base-s0"].config.pipeline.bypass_decode != "sender"
     assert len({item.fingerprint for item in planned.values()}) == len(planned)
+
+
+def test_the_flow_refuses_two_cells_of_one_configuration() -> None:
+    from crucible.config import ConfigError
+    from flows.settings import FlowSettings
+    from flows.sweep_flow import _plan
+
+    same = [{"arms": ["mapl"], "strategies": ["skip"], "p": [0.2]},
+            {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2],
+             "set": ["pipeline.bypass_decode=identity"]}]      # the smoke preset's own value
+    with pytest.raises(ConfigError, match="runs the same configuration as"):
+        _plan(SweepSpec(grid=same), FlowSettings())
+
+
+def test_concurrency_is_no_part_of_a_sweeps_identity() -> None:
+    assert (SweepSpec(**{**DEMO_SPEC, "max_concurrent_runs": 4}).identity()
+            == SweepSpec(**DEMO_SPEC).identity())
