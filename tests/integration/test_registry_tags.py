@@ -254,18 +254,25 @@ def test_crud_tag_filters_sqlite(tmp_path):
     _tag_filters(url)
 
 
+def _insert_old_run(conn: sa.Connection, run_id: uuid.UUID) -> bool:
+    """A run row as an earlier revision stored it (only the columns every revision has);
+    returns whether the database is SQLite (its UUIDs are stored as hex)."""
+    sqlite = conn.dialect.name == "sqlite"
+    conn.execute(sa.text(
+        "INSERT INTO runs (id, config, compression, strategy, p, duration, seed, preset,"
+        " status, created_at, updated_at) VALUES (:id, '{}', 'ssn', 'skip', 0.1, 6, 0,"
+        " 'smoke', 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+        {"id": run_id.hex if sqlite else str(run_id)})
+    return sqlite
+
+
 def _check_0004_round_trip(url: str) -> None:
     upgrade(url, "0003")
     engine = sa.create_engine(url)
     run_id = uuid.uuid4()
     try:
         with engine.begin() as conn:
-            sqlite = conn.dialect.name == "sqlite"
-            conn.execute(sa.text(
-                "INSERT INTO runs (id, config, compression, strategy, p, duration, seed, preset,"
-                " status, created_at, updated_at) VALUES (:id, '{}', 'ssn', 'skip', 0.1, 6, 0,"
-                " 'smoke', 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
-                {"id": run_id.hex if sqlite else str(run_id)})
+            sqlite = _insert_old_run(conn, run_id)
             conn.execute(sa.text(
                 "INSERT INTO sweeps (id, name, status, created_at, updated_at) VALUES (:id, 'old',"
                 " 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
@@ -302,12 +309,7 @@ def _check_0006_round_trip(url: str) -> None:
     run_id = uuid.uuid4()
     try:
         with engine.begin() as conn:
-            sqlite = conn.dialect.name == "sqlite"
-            conn.execute(sa.text(
-                "INSERT INTO runs (id, config, compression, strategy, p, duration, seed, preset,"
-                " status, created_at, updated_at) VALUES (:id, '{}', 'ssn', 'skip', 0.1, 6, 0,"
-                " 'smoke', 'completed', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
-                {"id": run_id.hex if sqlite else str(run_id)})
+            _insert_old_run(conn, run_id)
         upgrade(url)
         with make_session_factory(engine)() as session:
             assert session.scalars(sa.select(Run)).one().label == ""
