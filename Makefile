@@ -43,7 +43,7 @@ test-all: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check crucible flows api db dashboards tests benchmarks infra
+	$(BIN)/ruff check crucible cli flows api db dashboards tests benchmarks infra
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,4 @@
-"""Command-line commands contributed by the `api` package (registered by crucible.cli).
+"""Command-line commands contributed by the `api` package (registered by cli.main).
 
 - `crucible api [--host --port]` serves the registry with uvicorn;
 - `crucible api token create [--name --expires-in 30d]` stores a new token and prints it alone on
@@ -32,7 +32,7 @@ from api.settings import Settings
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from crucible.registry_client import ApiClient
+    from crucible.registry.client import ApiClient
 
 __all__ = ["register"]
 
@@ -175,7 +175,7 @@ def replay(spool_root: Path | None = typer.Option(
     """
     from pydantic import ValidationError
 
-    from crucible.reporting import ApiClient, ApiError, replay_spools
+    from crucible.registry.reporting import ApiClient, ApiError, replay_spools
     from flows.settings import FlowSettings
 
     try:
@@ -231,8 +231,8 @@ def _registry() -> Iterator[ApiClient]:
     and an exit code (2: refused, 1: unreachable)."""
     from pydantic import ValidationError
 
-    from crucible.client_settings import ClientSettings
-    from crucible.registry_client import ApiClient, ApiError, ApiUnavailable
+    from crucible.registry.client import ApiClient, ApiError, ApiUnavailable
+    from crucible.registry.settings import ClientSettings
 
     try:
         settings = ClientSettings(_env_file=".env")   # a .env file too, as the service reads

@@ -11,14 +11,14 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from crucible.client_settings import ClientSettings
+from crucible.registry.settings import ClientSettings
 
 __all__ = ["Settings", "get_settings"]
 
 
 class Settings(ClientSettings):
     """Registry service settings (env prefix `CRUCIBLE_`): the client settings
-    (`crucible.client_settings.ClientSettings`: `api_url`, `api_token` - which the server also
+    (`crucible.registry.settings.ClientSettings`: `api_url`, `api_token` - which the server also
     accepts for writes -, `store_url`, `s3_endpoint_url`) and the service's own."""
 
     model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", env_file=".env", extra="ignore")

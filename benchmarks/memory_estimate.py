@@ -1,6 +1,6 @@
 """The memory estimate (`crucible.memory`) against the peak RSS that `crucible run` reaches.
 
-Each case runs the real command line (`crucible.cli.main`) in a child process of its own, which
+Each case runs the real command line (`cli.main.main`) in a child process of its own, which
 reports the estimate the run's pre-flight check made (the `memory estimate` log record) and its
 own peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`) when the run has ended; sizes in
 MiB. With `--device cuda`, the GPU cases: the device part of the estimate against
@@ -65,7 +65,7 @@ def _child(preset: str, overrides: list[str], out: str) -> dict[str, Any]:
     sys.argv = ["crucible", "run", "--preset", preset, "--out", out, "--no-progress"]
     for item in overrides:
         sys.argv += ["--set", item]
-    from crucible.cli import app  # `crucible run` alone: no registry or flows packages needed
+    from cli.main import app  # `crucible run` alone: no registry or flows packages needed
 
     code = 0
     try:

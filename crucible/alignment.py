@@ -100,14 +100,14 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
     """The alignment of every inner stage of `trainer`'s global model (replica 0 holds the
     global weights after an outer step) on `windows` held-out windows."""
     from crucible.boundary import principal_angles_deg
-    from crucible.bypass import DECODE_OPTIONS
-    from crucible.train import standard_error
+    from crucible.evaluation import standard_error
+    from crucible.names import BYPASS_DECODES
 
     started = time.perf_counter()
     model, device, S = trainer.model, trainer.device, trainer.S
     kind = trainer.config.pipeline.compression
     own = model.bypass_decode
-    decodes = DECODE_OPTIONS if kind == "mapl" else (own,)
+    decodes = BYPASS_DECODES if kind == "mapl" else (own,)
     select = torch.tensor([0], device=device)
     d = trainer.config.model.d_model
     inner = range(1, S - 1)

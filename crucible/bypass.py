@@ -17,15 +17,16 @@ from typing import Any
 import torch
 
 from crucible.config import Config, ConfigError
+from crucible.evaluation import standard_error
 from crucible.model_file import MODEL_FILE, load_global_weights
-from crucible.train import Trainer, standard_error
+from crucible.names import BYPASS_DECODES
+from crucible.train import Trainer
 
 # the model file lives in crucible.model_file: the trainer writes it and this module imports the
 # trainer, so the dependency runs one way (bypass -> train)
 
-__all__ = ["bypass_damage", "evaluate_run", "DECODE_OPTIONS"]
+__all__ = ["bypass_damage", "evaluate_run"]
 
-DECODE_OPTIONS = ("identity", "sender", "receiver")
 
 
 def _config_of(run_dir: Path) -> Config:
@@ -90,7 +91,7 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
         trainer = _trained(Path(run_dir), eval_tokens, scratch)
         config = trainer.config
         intact = trainer.window_losses()
-        kinds = options or (DECODE_OPTIONS if config.pipeline.compression == "mapl" else ("-",))
+        kinds = options or (BYPASS_DECODES if config.pipeline.compression == "mapl" else ("-",))
         rows = []
         for stage in range(1, trainer.S - 1):
             skip = torch.zeros(1, trainer.S, dtype=torch.bool, device=trainer.device)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlparse
 
-from crucible.names import Compression, Strategy
+from crucible.names import BypassDecode, Compression, Strategy
 from crucible.store import parse_store_url  # stdlib only: boto3 loads with the first S3Store
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "FaultConfig", "DataConfig", "StoreConfig", "Config", "apply_overrides",
 ]
 
-BypassDecode = Literal["identity", "sender", "receiver"]
 OuterMethod = Literal["sparseloco", "diloco", "ddp"]
 Aggregate = Literal["selected_mean", "mean_over_all"]
 ClipGranularity = Literal["tensor", "stage"]

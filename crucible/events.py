@@ -1,7 +1,7 @@
 """Metrics and events: what a training run reports, and the one callback interface it reports through.
 
 The trainer never talks to files, HTTP or SQL itself; it calls a `Callback`. `JsonlCallback`
-writes `metrics.jsonl` / `events.jsonl`; the registry client (`crucible.reporting`) batches the
+writes `metrics.jsonl` / `events.jsonl`; the registry client (`crucible.registry.reporting`) batches the
 same records to the API. Event ids are deterministic (kind, global step, replica, stage, ordinal),
 so a resumed run that re-emits the events of replayed steps produces the same ids, and an
 idempotent sink stores each event exactly once. Metrics are keyed by (name, global_step, replica).

@@ -1,5 +1,5 @@
 """The names the whole project shares, defined once: compression arms, mitigation strategies,
-run and sweep statuses. Stdlib only (the API, the dashboards and the flows import it).
+MAPL's bypass decodes, run and sweep statuses. Stdlib only (the API, the dashboards and the flows import it).
 
 The `Literal` types drive validation (config, REST schemas, the Prefect form's dropdowns); the
 tuples beside them are the same names in their canonical order (the blog's arms: uncompressed,
@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["Compression", "Strategy", "RunStatus", "SweepStatus", "ARMS", "STRATEGIES",
+__all__ = ["Compression", "BypassDecode", "BYPASS_DECODES", "Strategy", "RunStatus", "SweepStatus", "ARMS", "STRATEGIES",
            "ARM_LABEL", "BASELINE_STRATEGY", "RUN_STATUSES", "SWEEP_STATUSES",
            "UNFINISHED_STATUSES", "FINAL_STATUSES", "COMPLETED", "FAILED", "CANCELLED",
            "PENDING", "QUEUED", "RUNNING"]
 
 Compression = Literal["none", "ssn", "mapl"]
+# how a bypassed boundary message is decoded (pipeline.bypass_decode; MAPL only)
+BypassDecode = Literal["identity", "sender", "receiver"]
 Strategy = Literal["skip", "drop", "drop_extend", "reroute"]
 RunStatus = Literal["pending", "queued", "running", "completed", "failed", "cancelled"]
 SweepStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
 
 ARMS: tuple[str, ...] = get_args(Compression)
+BYPASS_DECODES: tuple[str, ...] = get_args(BypassDecode)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 ARM_LABEL: dict[str, str] = {"none": "uncompressed", "ssn": "SSN", "mapl": "MAPL"}
 # the strategy a p = 0 baseline is run with: irrelevant (nothing fails), pinned so that its

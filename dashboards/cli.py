@@ -1,4 +1,4 @@
-"""Command-line commands contributed by the `dashboards` package (registered by crucible.cli).
+"""Command-line commands contributed by the `dashboards` package (registered by cli.main).
 
 - `crucible report SWEEP --out FILE.html [--database-url URL]` writes the offline report of a
   sweep (SWEEP: its id or exact name; the newest sweep of that name): one self-contained HTML

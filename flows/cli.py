@@ -1,4 +1,4 @@
-"""Command-line commands contributed by the `flows` package (registered by crucible.cli).
+"""Command-line commands contributed by the `flows` package (registered by cli.main).
 
 - `crucible sweep [--preset smoke] [--arm ssn --arm mapl] [--strategy skip ...] [--p 0.1 ...]
   [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--name N] [--tag T ...]

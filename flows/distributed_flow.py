@@ -8,7 +8,7 @@ are reused the same way) -> post the dashboard link -> hold this host's GPU slot
 `running` and call `crucible.distributed.launch.launch` (one torch.distributed.elastic agent per
 replica on this worker host, planned SIGKILLs from `kills`) -> send the merged `metrics.jsonl`
 and `events.jsonl` to the registry -> record the merged summary and the final state through
-`flows.run_flow.finish_run` (`crucible.reporting.record_finish`: only once every record arrived).
+`flows.run_flow.finish_run` (`crucible.registry.reporting.record_finish`: only once every record arrived).
 
 The run folder is `<work dir>/runs/<run id>/launch-<k>`: each attempt of the same registry run
 (a Prefect retry of the flow) gets a fresh folder, because `merge` reads every replica folder it
@@ -32,7 +32,7 @@ from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config, ConfigError
 from crucible.ids import validate_id
-from crucible.reporting import ApiUnavailable, RecordsOwed
+from crucible.registry.reporting import ApiUnavailable, RecordsOwed
 from flows.errors import describe
 from flows.gpu import gpu_slot
 from flows.registry import make_callback, make_client

@@ -171,7 +171,7 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
     dashboard (default `<work_dir>/report-<sweep>.html`). The report is written even when some
     cells failed; a sweep that never registered raises the flow's error. `skip_memory_check`
     lets cells start whatever their memory estimate (FlowSettings.skip_memory_check)."""
-    from crucible.reporting import ApiClient
+    from crucible.registry.reporting import ApiClient
     from dashboards.export import write_report
     from flows.sweep_flow import failure_sweep, find_sweep
 
@@ -206,7 +206,7 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
 
 def _claims(client: Any, sweep_id: str) -> dict[str, Any] | None:
     """The sweep's claims, or None where it has none (422: several failure durations)."""
-    from crucible.registry_client import ApiError, ApiUnavailable
+    from crucible.registry.client import ApiError, ApiUnavailable
 
     try:
         return dict(client.claims(sweep_id))

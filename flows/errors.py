@@ -30,7 +30,7 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     except ImportError:  # the store module is optional until the trainer lands
         pass
     try:
-        from crucible.reporting import ApiUnavailable
+        from crucible.registry.reporting import ApiUnavailable
         types.append(ApiUnavailable)
     except ImportError:
         pass

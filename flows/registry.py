@@ -1,6 +1,6 @@
 """The flows' only door to the registry: a client and a metric/event callback built from settings.
 
-Kept in one place so the flows do not repeat how `crucible.reporting` is constructed, nor where
+Kept in one place so the flows do not repeat how `crucible.registry.reporting` is constructed, nor where
 the dashboards live.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ _RUN_PATH = "/dashboards/runs/{run_id}"
 
 
 def make_client(settings: FlowSettings) -> Any:
-    """A `crucible.reporting.ApiClient` for the configured API and token."""
-    from crucible.reporting import ApiClient
+    """A `crucible.registry.reporting.ApiClient` for the configured API and token."""
+    from crucible.registry.reporting import ApiClient
 
     return ApiClient(settings.api_url, settings.token)
 
@@ -27,7 +27,7 @@ def make_client(settings: FlowSettings) -> Any:
 def make_callback(settings: FlowSettings, run_id: str) -> Callback:
     """The registry callback of run `run_id`: sends from a background thread, spools under
     `settings.spool_root` while the API is unreachable, replays every spool there."""
-    from crucible.reporting import ApiCallback
+    from crucible.registry.reporting import ApiCallback
 
     return ApiCallback(make_client(settings), run_id, spool_dir=settings.spool_root)
 

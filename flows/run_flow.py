@@ -16,7 +16,7 @@ and records the run `cancelled` / `failed` through its spool, like any final sta
 record it still owes is lost.
 
 Nothing is claimed before it is true: the final state goes through the run's spool folder
-(`crucible.replay.record_finish`) and is recorded only once every metric and event the run
+(`crucible.registry.replay.record_finish`) and is recorded only once every metric and event the run
 reported has reached the registry. When some are still owed (the registry was down at the end),
 `finish-run` fails transiently and each retry replays first; after the last retry the flow
 returns status "running" with `owed_records`, the registry shows "training finished; N records
@@ -47,7 +47,7 @@ from crucible.events import Callback, Event, Metric
 from crucible.ids import validate_id
 from crucible.names import FINAL_STATUSES
 from crucible.presets import get_preset
-from crucible.reporting import (
+from crucible.registry.reporting import (
     ApiUnavailable,
     RecordsOwed,
     final_changes,

@@ -2,7 +2,7 @@
 environment. Flow and task code receives a `FlowSettings`; it never reads `os.environ` itself.
 
 Secrets (the API token) come from here, never from flow parameters, which the Prefect UI shows.
-The four client fields are `crucible.client_settings.ClientSettings`'s, shared with the registry
+The four client fields are `crucible.registry.settings.ClientSettings`'s, shared with the registry
 service's settings and the `crucible api` client commands.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from crucible.client_settings import ClientSettings
+from crucible.registry.settings import ClientSettings
 
 __all__ = ["FlowSettings"]
 

@@ -2,7 +2,7 @@
 
 It takes the flows' path to the registry (`flows.registry`, `FlowSettings`): the run is registered
 with its config, fingerprint, code version, name, tags and notes, marked `running`; the trainer's
-metrics and events go through `crucible.reporting.ApiCallback` (a background sender; spooled
+metrics and events go through `crucible.registry.reporting.ApiCallback` (a background sender; spooled
 under `FlowSettings.spool_root` while the API is unreachable, replayed by any later reporter,
 flow or `crucible api replay`); and its final state goes through the run's spool folder
 (`record_finish`), so it is called completed only once every record has arrived.
@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from crucible.config import Config
-from crucible.reporting import ApiCallback, ApiError, ApiUnavailable, final_changes, record_finish
+from crucible.registry.reporting import (
+    ApiCallback,
+    ApiError,
+    ApiUnavailable,
+    final_changes,
+    record_finish,
+)
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_callback, make_client, run_page
 from flows.settings import FlowSettings

@@ -54,7 +54,7 @@ from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
-from crucible.registry_client import ApiError, ApiUnavailable
+from crucible.registry.client import ApiError, ApiUnavailable
 from crucible.spec import Cell, SweepSpec, identity_of
 from crucible.stats import claim_rows, seeds_wanted
 from flows.errors import describe, retry_only_transient

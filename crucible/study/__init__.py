@@ -9,8 +9,8 @@ A spec (TOML, loaded into the one spec model of sweeps and studies, `crucible.sp
 the `failure-sweep` flow takes the same grid) names a preset, the seeds and a list of grid blocks (arms x strategies x p, plus
 optional `key=value` overrides, a label and the block's own `seeds`; an arm's baselines cover
 every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-preset specs whose
-table the document shows, crucible.pilot), `token_check` (half-tokens and full pilot specs),
-`scale` (specs running some cells at a larger model, crucible.scale), `reuse` (specs whose runs
+table the document shows, crucible.study.pilot), `token_check` (half-tokens and full pilot specs),
+`scale` (specs running some cells at a larger model, crucible.study.scale), `reuse` (specs whose runs
 with exactly a cell's configuration count as that cell), `close_margin`, `resolve_threshold`
 (or `target_half_width`: the target half-width), `equivalence_margin` (claim (e)), `duration`,
 `global_steps` and `max_seeds` (seeds by precision: the rounds' seeds are read back too). It expands into cells with stable
@@ -40,13 +40,10 @@ The code, one concern a module: crucible.study.spec (the spec and its cells),
 crucible.study.runner (keeping, adopting and loading results), crucible.study.data
 (`StudyData`, the noise floor), crucible.study.document (the Markdown document and `render`),
 crucible.study.formatting (how it writes numbers and verdicts), crucible.study.figures (the PNG
-figures) and crucible.study.cli (`crucible study ...`). This package re-exports their names.
+figures) and cli.study (`crucible study ...`). This package re-exports their names.
 """
 from __future__ import annotations
 
-from crucible.study.cli import _check_machine as _check_machine
-from crucible.study.cli import _parse_seeds as _parse_seeds
-from crucible.study.cli import register
 from crucible.study.data import NOISE_FLOOR_Z, StudyData, noise_floor
 from crucible.study.data import _row as _row
 from crucible.study.data import noise_floor_of as noise_floor_of
@@ -91,4 +88,4 @@ from crucible.study.spec import result_path as result_path
 
 __all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "load_results", "StudyData",
            "render_markdown", "build_figures", "write_figures", "render", "noise_floor",
-           "register", "NOISE_FLOOR_Z", "DEFAULT_SPEC"]
+           "NOISE_FLOOR_Z", "DEFAULT_SPEC"]

@@ -1,6 +1,6 @@
 """The results document: `render_markdown` writes the whole Markdown document from a
 `StudyData` (deterministic: only the data and the spec), `render` writes it with Table 1 as CSV
-and LaTeX (crucible.paper) and the figures, or with `check` compares them with the files.
+and LaTeX (crucible.study.paper) and the figures, or with `check` compares them with the files.
 
 Slightly over 500 lines, for a reason: `render_markdown` is one template of the document,
 section by section in the order it prints them; its number formatting lives in
@@ -247,11 +247,11 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         out += ["", spec.notes]
     out.append("")
     if spec.files.pilots:
-        from crucible.pilot import pilot_rows, pilot_section
+        from crucible.study.pilot import pilot_rows, pilot_section
 
         out += pilot_section(spec, pilot_rows(spec), ARM_LABEL)
     if spec.files.token_check:
-        from crucible.pilot import token_section
+        from crucible.study.pilot import token_section
 
         out += token_section(spec, ARM_LABEL)
 
@@ -326,11 +326,11 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
 
     # Extras
     out += _extras(data, img)
-    from crucible.alignment_study import alignment_section
+    from crucible.study.alignment import alignment_section
 
     out += alignment_section(data, ARM_LABEL, img.get("alignment"))
     if spec.files.scale:
-        from crucible.scale import scale_section
+        from crucible.study.scale import scale_section
 
         out += scale_section(data, ARM_LABEL)
 
@@ -453,14 +453,14 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
 
 
 def table_files(spec: SweepSpec) -> dict[str, Path]:
-    """Table 1 for a paper (crucible.paper), beside the document."""
+    """Table 1 for a paper (crucible.study.paper), beside the document."""
     folder = spec.document.parent / "tables"
     return {"csv": folder / f"{spec.name}-table1.csv", "tex": folder / f"{spec.name}-table1.tex"}
 
 
 def _rendered(spec: SweepSpec, data: StudyData) -> dict[Path, str]:
     """Every text file the data render: the document and Table 1 as CSV and LaTeX."""
-    from crucible.paper import table1_csv, table1_latex
+    from crucible.study.paper import table1_csv, table1_latex
 
     tables = table_files(spec)
     return {spec.document: render_markdown(data), tables["csv"]: table1_csv(data),

@@ -1,5 +1,5 @@
 """The document's figures: `build_figures` makes the Plotly figures (Figure 3, the extras, the
-alignment figure of crucible.alignment_study) and `write_figures` renders them to PNG in
+alignment figure of crucible.study.alignment) and `write_figures` renders them to PNG in
 headless Chromium through Playwright.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ def build_figures(data: StudyData) -> dict[str, Any]:
                          yaxis_title="final val loss vs p = 0 (%)", width=1200, height=480,
                          margin={"l": 80, "r": 30, "t": 70, "b": 150}, showlegend=True)
     figures = {"figure3": fig, "extras": extras}
-    from crucible.alignment_study import alignment_figure
+    from crucible.study.alignment import alignment_figure
 
     aligned = alignment_figure(data, _COLORS, ARM_LABEL, _FONT)
     if aligned is not None:

@@ -1,5 +1,5 @@
 """How the document writes numbers, intervals, cell names and the claims' verdicts (also used
-by the pilot and scale sections, crucible.pilot and crucible.scale).
+by the pilot and scale sections, crucible.study.pilot and crucible.study.scale).
 """
 from __future__ import annotations
 

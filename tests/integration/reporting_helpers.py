@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from crucible.events import Event, Metric
-from crucible.reporting import ApiCallback, ApiClient
+from crucible.registry.reporting import ApiCallback, ApiClient
 
 PER_STEP = 4        # what `emit` reports per global step: 2 train_loss, 1 val_loss, 1 event
 

@@ -166,12 +166,12 @@ def test_unsupported_config_is_refused_naming_the_key(override: str, key: str,
 
 
 def test_cli_bad_input_exits_2_naming_the_option(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "crucible.distributed", "--nproc", "2",
+    result = subprocess.run([sys.executable, "-m", "cli", "launch", "--nproc", "2",
                              "--out", str(tmp_path / "x"), "--kill", "one@two"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--kill" in result.stderr and "REPLICA@GLOBAL_STEP" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "crucible.distributed", "--nproc", "2",
+    result = subprocess.run([sys.executable, "-m", "cli", "launch", "--nproc", "2",
                              "--out", str(tmp_path / "x"),
                              "--set", "sparseloco.round_timeout_s=0"],
                             capture_output=True, text=True, timeout=120)
@@ -300,7 +300,7 @@ def test_a_stopped_launcher_leaves_no_replica_running(tmp_path: Path) -> None:
 
     out = tmp_path / "dist"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "crucible.distributed", "--nproc", "2", "--out", str(out),
+        [sys.executable, "-m", "cli", "launch", "--nproc", "2", "--out", str(out),
          "--set", "train.global_steps=200", "--set", "sparseloco.round_timeout_s=600"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -343,7 +343,7 @@ def test_contradictory_kill_plans_are_refused(kills: list[dict], message: str,
 def test_cli_out_that_is_a_file_exits_2(tmp_path: Path) -> None:
     target = tmp_path / "a-file"
     target.write_text("x")
-    result = subprocess.run([sys.executable, "-m", "crucible.distributed", "--nproc", "2",
+    result = subprocess.run([sys.executable, "-m", "cli", "launch", "--nproc", "2",
                              "--out", str(target)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--out" in result.stderr

@@ -21,7 +21,7 @@ from prefect.runner._hook_runner import HookRunner
 from prefect.states import Cancelling
 
 import crucible.train
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from crucible.spec import SweepSpec
 from flows.gpu import gpu_limit_name, gpu_slot, slot_holders
 from flows.run_flow import train_run

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.deploy import build_deployments
 from flows.distributed_flow import distributed_run
 

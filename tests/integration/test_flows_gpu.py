@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 import crucible.memory
 import crucible.train
 import flows.run_flow
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.gpu import ensure_gpu_limit, gpu_limit_name, gpu_slot, local_device_count
 from flows.run_flow import train_run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.run_flow import train_run
 
 pytestmark = pytest.mark.integration

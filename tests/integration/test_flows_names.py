@@ -16,7 +16,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterTags,
 )
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from crucible.spec import SweepSpec
 from flows.sweep_flow import cell_run_name, failure_sweep
 

@@ -23,7 +23,7 @@ from prefect.client.schemas.filters import (
 )
 from sqlalchemy import create_engine, text
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.embedded import flow_environment
 from flows.run_flow import train_run
 

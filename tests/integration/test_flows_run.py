@@ -17,7 +17,7 @@ from prefect.client.schemas.filters import (
     TaskRunFilterName,
 )
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.run_flow import train_run
 
 pytestmark = pytest.mark.integration

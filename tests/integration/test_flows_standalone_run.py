@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 SHORT = ["--preset", "smoke", "--set", "train.global_steps=3", "--set", "faults.p=0.5",
          "--set", "faults.duration=1", "--no-progress"]
 

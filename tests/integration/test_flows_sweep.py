@@ -8,7 +8,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from crucible.spec import SweepSpec
 from flows.sweep_flow import failure_sweep
 

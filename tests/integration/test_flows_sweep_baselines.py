@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from crucible.reporting import ApiClient
+from crucible.registry.reporting import ApiClient
 from flows.sweep_flow import failure_sweep
 from tests.integration.test_flows_sweep import _artifacts, _spec
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 SETTINGS = ["--preset", "smoke", "--set", "faults.p=0.3", "--set", "faults.duration=2",
             "--set", "train.checkpoint_every=2", "--set", "train.global_steps=8",
             "--set", "pipeline.compression=ssn", "--no-progress"]

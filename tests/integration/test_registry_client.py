@@ -9,8 +9,14 @@ import threading
 import pytest
 
 from crucible.events import Event
-from crucible.reporting import ApiCallback, ApiClient, ApiError, ApiUnavailable, replay_spools
-from crucible.spool import SpoolFile
+from crucible.registry.reporting import (
+    ApiCallback,
+    ApiClient,
+    ApiError,
+    ApiUnavailable,
+    replay_spools,
+)
+from crucible.registry.spool import SpoolFile
 from tests.integration.reporting_helpers import FlakyProxy
 from tests.integration.reporting_helpers import emit as _emit
 

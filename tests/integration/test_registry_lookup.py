@@ -93,7 +93,7 @@ def test_resolve_sweep(pg_db):
 def test_client_get_sweep_by_name(api_server):
     import httpx
 
-    from crucible.registry_client import ApiClient, ApiError
+    from crucible.registry.client import ApiClient, ApiError
 
     name = f"client lookup {uuid.uuid4().hex[:6]}"
     with ApiClient(api_server.url, api_server.token) as client:

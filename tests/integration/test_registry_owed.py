@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-import crucible.spool_files
-from crucible.reporting import (
+import crucible.registry.spool_files
+from crucible.registry.reporting import (
     ApiCallback,
     ApiClient,
     ApiError,
@@ -23,12 +23,12 @@ from crucible.reporting import (
     record_finish,
     replay_spools,
 )
-from crucible.spool import SpoolFile
+from crucible.registry.spool import SpoolFile
 from tests.integration.reporting_helpers import PER_STEP, emit, spool_while_down
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 def _replay(api_server, *args: str) -> subprocess.CompletedProcess[str]:
@@ -250,7 +250,7 @@ def test_record_finish_outlasts_its_run_folder_being_removed(client, tmp_path, m
             os.rmdir(os.path.dirname(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(crucible.spool_files, "open", open_after_a_reporter_tidied, raising=False)
+    monkeypatch.setattr(crucible.registry.spool_files, "open", open_after_a_reporter_tidied, raising=False)
     record_finish(client, tmp_path, run_id, _FINAL, timeout_s=30)
     assert removed and client.get_run(run_id)["status"] == "completed"
 

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from crucible.reporting import ApiCallback, ApiClient, RecordsOwed, record_finish, replay_spools
+from crucible.registry.reporting import (
+    ApiCallback,
+    ApiClient,
+    RecordsOwed,
+    record_finish,
+    replay_spools,
+)
 from tests.integration.reporting_helpers import PER_STEP, emit, spool_while_down
 
 pytestmark = pytest.mark.integration

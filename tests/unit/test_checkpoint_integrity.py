@@ -20,7 +20,7 @@ from crucible.train import train
 from tests.unit.helpers import tiny
 
 VOLATILE = ("wall_s", "run_key", "store_url", "versions", "timing")
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 class _Crash(Callback):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 def _crucible(*args, cwd=None):
@@ -22,7 +22,7 @@ def _crucible_here(*args, cwd=None, env=None):
 
     from typer.testing import CliRunner
 
-    from crucible.cli import _register_packages, app
+    from cli.main import _register_packages, app
 
     _register_packages()
     before = os.getcwd()
@@ -82,7 +82,7 @@ def _invoke_80_columns(*args):
     """The CLI in-process, as piped (CliRunner's output is no tty) into an 80-column terminal."""
     from typer.testing import CliRunner
 
-    from crucible.cli import app
+    from cli.main import app
 
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "80"}, terminal_width=80)
 

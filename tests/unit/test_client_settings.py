@@ -1,5 +1,5 @@
 """One client-settings class: `CRUCIBLE_API_URL`, `CRUCIBLE_API_TOKEN`, `CRUCIBLE_STORE_URL` and
-`CRUCIBLE_S3_ENDPOINT_URL` are declared once (`crucible.client_settings.ClientSettings`) and read
+`CRUCIBLE_S3_ENDPOINT_URL` are declared once (`crucible.registry.settings.ClientSettings`) and read
 the same way by the flows' settings, the registry service's settings and the `crucible api`
 client commands."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from api.settings import Settings
-from crucible.client_settings import ClientSettings
+from crucible.registry.settings import ClientSettings
 from flows.settings import FlowSettings
 
 CLIENT_FIELDS = {"api_url", "api_token", "store_url", "s3_endpoint_url"}
@@ -74,7 +74,7 @@ def test_the_service_accepts_the_same_token_clients_send(monkeypatch):
 def test_crucible_api_client_commands_refuse_a_bad_url_naming_the_variable(monkeypatch):
     from typer.testing import CliRunner
 
-    from crucible.cli import _register_packages, app
+    from cli.main import _register_packages, app
 
     _register_packages()
     monkeypatch.setenv("CRUCIBLE_API_URL", "registry.example:8000")

@@ -29,7 +29,7 @@ from crucible.store import LocalStore
 from crucible.train import Trainer, train
 from tests.unit.helpers import tiny
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 PREFIX = 16   # values of row 0 compared between tensors
 
 
@@ -538,7 +538,7 @@ def test_cli_refuses_the_paper_preset_on_the_default_corpus_quickly(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "crucible.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                           text=True, timeout=300, cwd=cwd)
 
 

@@ -33,7 +33,7 @@ from crucible.strategy import plan_step
 from crucible.train import Trainer, train
 from tests.unit.helpers import tiny
 
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 def _crucible(*args):

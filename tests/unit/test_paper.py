@@ -1,4 +1,4 @@
-"""Table 1 for a paper (crucible.paper): CSV and LaTeX rendered from the study's data, checked
+"""Table 1 for a paper (crucible.study.paper): CSV and LaTeX rendered from the study's data, checked
 by `study render --check` like the document."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from crucible import paper, study
+from crucible import study
+from crucible.study import paper
 from tests.unit.test_study import fill, write_spec
 
 

@@ -15,13 +15,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli.study import register
 from crucible import stats, study
 from crucible.config import apply_overrides
 from crucible.presets import get_preset
 from crucible.spec import Cell, GridKey, SweepSpec, expand_cells
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-c", "from crucible.cli import main; main()"]
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 GRID = """
 name = "t"
@@ -105,7 +106,7 @@ def cli_app() -> typer.Typer:
     def noop() -> None:  # a second command keeps `study` a sub-command
         pass
 
-    study.register(app)
+    register(app)
     return app
 
 

@@ -169,7 +169,7 @@ def test_pilot_rows_measure_sd_seeds_and_grid_cost(tmp_path: Path) -> None:
     fill(pilot, {"none-skip-p0.2": [1.0, 2.0, 3.0, 4.0], "ssn-skip-p0.2": [0.0] * 4})
     main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
         'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\npilots = ["pilot-x.toml"]'), name="main.toml"))
-    from crucible.pilot import MIN_GRID_SEEDS, pilot_rows
+    from crucible.study.pilot import MIN_GRID_SEEDS, pilot_rows
 
     rows = {r.arm: r for r in pilot_rows(main)}
     assert set(rows) == {"none", "ssn"}
@@ -288,7 +288,7 @@ p = [0.1, 0.2]
 
 
 def test_fisher_interval_of_a_known_correlation() -> None:
-    from crucible.alignment_study import correlation
+    from crucible.study.alignment import correlation
 
     xs = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
     ys = [1.2, 1.9, 3.4, 3.8, 5.3, 5.7, 7.4, 7.9, 9.6, 9.8]
@@ -321,7 +321,7 @@ def _aligned(tmp_path: Path, damage_of) -> study.StudyData:
 
 
 def test_alignment_that_tracks_degradation_within_arms_predicts(tmp_path: Path) -> None:
-    from crucible.alignment_study import alignment_points, alignment_section
+    from crucible.study.alignment import alignment_points, alignment_section
 
     wobble = [0.03, -0.02, 0.01, -0.04, 0.02, 0.0, -0.01, 0.03]
     data = _aligned(tmp_path, lambda arm, seed, d: 2.0 * d + wobble[seed]
@@ -340,7 +340,7 @@ def test_alignment_that_tracks_degradation_within_arms_predicts(tmp_path: Path) 
 
 def test_alignment_that_only_differs_between_arms_is_not_a_within_arm_prediction(
         tmp_path: Path) -> None:
-    from crucible.alignment_study import alignment_section
+    from crucible.study.alignment import alignment_section
 
     noise = [0.5, -0.3, 0.1, 0.4, -0.5, 0.2, -0.1, -0.3]
     data = _aligned(tmp_path, lambda arm, seed, d: (10.0 if arm == "ssn" else 1.0)
@@ -380,7 +380,7 @@ def test_token_check_compares_half_the_tokens_with_the_seed_spread(tmp_path: Pat
     main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
         'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\ntoken_check = ["half.toml", "pilot-x.toml"]'),
         name="main.toml"))
-    from crucible.pilot import token_rows, token_section
+    from crucible.study.pilot import token_rows, token_section
 
     (row,) = token_rows(main)
     assert row["arm"] == "none" and row["seeds"] == [0, 1]
@@ -390,7 +390,7 @@ def test_token_check_compares_half_the_tokens_with_the_seed_spread(tmp_path: Pat
 
 
 def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
-    from crucible.scale import scale_section, welch
+    from crucible.study.scale import scale_section, welch
 
     a = stats.stat_of({0: 1.0, 1: 2.0, 2: 3.0})
     b = stats.stat_of({0: 5.0, 1: 7.0, 2: 9.0, 3: 11.0})
@@ -479,7 +479,7 @@ def test_extra_block_seeds_run_after_the_whole_grid_of_the_spec_seeds(tmp_path: 
 def test_the_decided_grid_runs_the_seeds_its_pilot_asks_for() -> None:
     """Each arm's seeds in studies/table1-d128.toml are the committed pilot's "seeds for
     ±0.5" (at least 8): numbers in the spec come from the data."""
-    from crucible.pilot import pilot_rows
+    from crucible.study.pilot import pilot_rows
 
     repo = Path(__file__).resolve().parents[2]
     spec = study.load_spec(repo / "studies" / "table1-d128.toml")

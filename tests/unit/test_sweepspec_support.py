@@ -6,7 +6,7 @@ import pytest
 
 from crucible.config import ConfigError, apply_overrides
 from crucible.presets import PRESETS, get_preset
-from crucible.reporting import ApiUnavailable
+from crucible.registry.reporting import ApiUnavailable
 from crucible.spec import PRESET_NAMES
 from crucible.store import TransientStoreError
 from crucible.train import TrainingDiverged

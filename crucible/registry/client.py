@@ -6,7 +6,7 @@ whose body is not JSON, as a proxy's HTML page) are retried with exponential bac
 raise `ApiUnavailable`; any other error answer raises `ApiError` at once. No other exception
 leaves a request. `RecordsOwed` says that a run's final state could not be
 recorded yet because some of its metrics and events have not reached the registry
-(`crucible.replay`). Only stdlib + httpx: importing this module never imports torch.
+(`crucible.registry.replay`). Only stdlib + httpx: importing this module never imports torch.
 """
 from __future__ import annotations
 

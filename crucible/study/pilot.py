@@ -59,7 +59,9 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
     from crucible.names import ARMS
     from crucible.presets import get_preset
     from crucible.stats import seeds_for_half_width, stat_of
-    from crucible.study import StudyData, load_results, load_spec
+    from crucible.study.data import StudyData
+    from crucible.study.runner import load_results
+    from crucible.study.spec import load_spec
 
     target = spec.target_half_width if target is None else target
     per_arm = _grid_cells_per_arm(spec)
@@ -166,7 +168,9 @@ def token_rows(spec: Any) -> list[dict[str, Any]]:
     the baseline's final loss from full to half the tokens (%), and the full baselines' seed
     sd (% of their mean)."""
     from crucible.names import ARMS
-    from crucible.study import StudyData, load_results, load_spec
+    from crucible.study.data import StudyData
+    from crucible.study.runner import load_results
+    from crucible.study.spec import load_spec
 
     half_spec, full_spec = (load_spec(p) for p in spec.files.token_check)
     half = StudyData(half_spec, load_results(half_spec))
@@ -191,7 +195,7 @@ def token_section(spec: Any, labels: Mapping[str, str]) -> list[str]:
     """Is the preset token-limited? Halving the tokens against the seed spread (Markdown)."""
     rows = token_rows(spec)
     if not rows:
-        from crucible.study import load_spec
+        from crucible.study.spec import load_spec
 
         half = load_spec(spec.files.token_check[0])
         return ["### Is the preset token-limited?", "",

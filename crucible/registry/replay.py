@@ -1,8 +1,8 @@
-"""The replay of spools (`crucible.spool`) that any process can run, and the end of a run: its
+"""The replay of spools (`crucible.registry.spool`) that any process can run, and the end of a run: its
 final state is recorded in the registry only once every record it reported has arrived.
 
 The state machine of a run's end. `record_finish` appends the run's final state to its
-`finish.jsonl` (`crucible.finish_file`: fsync'd, before anything else, whatever lock anyone
+`finish.jsonl` (`crucible.registry.finish_file`: fsync'd, before anything else, whatever lock anyone
 holds) and replays the run. Every replay settles each run before and after draining it; a
 settle looks at the run's spools and:
 - when any spool file is held (a live reporter: an attempt is training; or a drain under way),
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from crucible import finish_file
-from crucible.finish_file import FINISH
 from crucible.ids import validate_id
-from crucible.registry_client import ApiClient, ApiError, ApiUnavailable, RecordsOwed
-from crucible.spool import (
+from crucible.registry import finish_file
+from crucible.registry.client import ApiClient, ApiError, ApiUnavailable, RecordsOwed
+from crucible.registry.finish_file import FINISH
+from crucible.registry.spool import (
     SPOOL_SUFFIX,
     RunState,
     SpoolFile,
@@ -48,7 +48,7 @@ from crucible.spool import (
     run_state,
     send_record,
 )
-from crucible.spool_files import (
+from crucible.registry.spool_files import (
     is_current,
     lock_fd,
     remove_if_empty,

@@ -1,6 +1,6 @@
 """`crucible launch`: a distributed run, one process per replica (see `crucible.distributed`).
 
-    python -m crucible.distributed --preset smoke --nproc 2 [--set key=value ...] --out DIR \
+    crucible launch --preset smoke --nproc 2 [--set key=value ...] --out DIR \
         [--kill REPLICA@STEP ...] [--kill-forever REPLICA@STEP ...]
 
 Exit 0 with DIR/summary.json written; 2 for bad input (message names the option and the fix);

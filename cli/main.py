@@ -194,7 +194,7 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
     _print_summary(summary)
     typer.echo(f"summary: {out / 'summary.json'}")
     if reported is not None:
-        from crucible.reporting import ApiError
+        from crucible.registry.reporting import ApiError
 
         try:
             owed = reported.finish(summary)
@@ -242,7 +242,7 @@ def _register_run(options: dict, config, out: Path, *, name: str,  # noqa: ANN00
                   resume: bool):  # noqa: ANN202 - a flows.standalone.StandaloneRun
     """Register the run with the registry before it trains; exit 2 when the registry cannot be
     reached or refuses (nothing is trained)."""
-    from crucible.reporting import ApiError, ApiUnavailable
+    from crucible.registry.reporting import ApiError, ApiUnavailable
     from flows.standalone import start_run
 
     settings = options["settings"]
@@ -426,7 +426,7 @@ def launch(ctx: typer.Context) -> None:
     """A distributed run: one process per replica under torch.distributed.elastic, exchanging
     SparseLoCo contributions only through the store, with planned SIGKILLs (`crucible launch
     --help`; docs/OPERATIONS.md, "Distributed mode")."""
-    from crucible.distributed.cli import launch_main
+    from cli.launch import launch_main
 
     raise typer.Exit(launch_main(list(ctx.args)))
 
@@ -483,7 +483,7 @@ def _register_packages() -> None:
 
     for module in ("api.cli", "flows.cli", "dashboards.cli"):
         importlib.import_module(module).register(app)
-    from crucible.study import register as register_study  # crucible study run|render
+    from cli.study import register as register_study  # crucible study run|render
 
     register_study(app)
 

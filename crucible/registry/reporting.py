@@ -1,7 +1,7 @@
 """Reporting a run to the registry: `ApiCallback`, the trainer callback that sends metrics and
 events to the API from a background thread, never stalling training, never losing a record and
-never storing one twice. `ApiClient` and its errors (`crucible.registry_client`) and the replay
-of spools with a run's final state (`crucible.replay`) are importable from here too;
+never storing one twice. `ApiClient` and its errors (`crucible.registry.client`) and the replay
+of spools with a run's final state (`crucible.registry.replay`) are importable from here too;
 `final_changes` builds the final state that ends a run (completed with its summary, or failed).
 
 How `ApiCallback` keeps those promises:
@@ -29,7 +29,7 @@ How `ApiCallback` keeps those promises:
 - a run's final state goes through the spool folder too (`record_finish`): it is recorded only
   once every record the run reported has arrived, so a run is never called completed with data
   missing; until then the registry shows `owed_records` = N, "owes N records" (see
-  `crucible.replay` for the state machine). A new `ApiCallback` of a run is a new attempt: it
+  `crucible.registry.replay` for the state machine). A new `ApiCallback` of a run is a new attempt: it
   sets aside the final state an earlier attempt left there, and while its spool is open no
   replay records any final state of the run.
 A batch the API refuses as invalid (other 4xx) is moved to `<spool>.rejected` and logged, so one
@@ -60,9 +60,9 @@ from typing import Any
 
 from crucible.events import Event, Metric
 from crucible.ids import validate_id
-from crucible.registry_client import ApiClient, ApiError, ApiUnavailable, RecordsOwed
-from crucible.replay import ReplayReport, record_finish, replay_spools, supersede_finish
-from crucible.spool import SpoolFile, drain, send_record
+from crucible.registry.client import ApiClient, ApiError, ApiUnavailable, RecordsOwed
+from crucible.registry.replay import ReplayReport, record_finish, replay_spools, supersede_finish
+from crucible.registry.spool import SpoolFile, drain, send_record
 
 __all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient", "ApiCallback",
            "ReplayReport", "replay_spools", "record_finish", "supersede_finish", "final_changes"]

@@ -1,5 +1,5 @@
 """finish.jsonl: a run's final state on disk, waiting in the run's spool folder until every
-record the run reported has reached the registry (the state machine is `crucible.replay`).
+record the run reported has reached the registry (the state machine is `crucible.registry.replay`).
 
     <root>/<run_id>/finish.jsonl           one line {"id", "changes"} per `record_finish` call;
                                            the last complete line is the one that counts
@@ -21,11 +21,11 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from crucible.registry_client import ApiError
-from crucible.spool import (
+from crucible.registry.client import ApiError
+from crucible.registry.spool import (
     run_state,
 )
-from crucible.spool_files import (
+from crucible.registry.spool_files import (
     append_line,
     is_current,
     lock_fd,

@@ -1,7 +1,7 @@
 """File primitives the spools and a run's final-state file share: fsync'd line appends, flock
 with a bounded wait, the run-folder lock, and tidying an emptied run folder.
 
-`flock` is reliable on a local disk only (see `crucible.spool`): the spool root must be local.
+`flock` is reliable on a local disk only (see `crucible.registry.spool`): the spool root must be local.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Spool files: where the registry client keeps the batches the API has not stored yet, and the
 drain that sends them in order. The replay over a whole spool root and a run's final state are
-in `crucible.replay`.
+in `crucible.registry.replay`.
 
 Layout under a spool root (one per work folder: `flows.settings.FlowSettings.spool_root`,
 default `<work_dir>/spool`, so that every later client on the machine finds what an earlier one
@@ -11,7 +11,7 @@ left):
     <root>/<run_id>/<writer>.spool.jsonl.offset    bytes of it already delivered
     <root>/<run_id>/<writer>.spool.jsonl.rejected  batches the API refused, or lines that are not
                                                    a batch at all (kept, counted, logged)
-    <root>/<run_id>/finish.jsonl ...               the run's final state (`crucible.finish_file`)
+    <root>/<run_id>/finish.jsonl ...               the run's final state (`crucible.registry.finish_file`)
 
 A batch is one JSON line {"run_id": str, "kind": "metrics" | "events", "items": [object, ...]};
 any other line is moved to `.rejected` when a drain reaches it, never sent and never fatal.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from crucible.registry_client import ApiClient, ApiError, ApiUnavailable
-from crucible.spool_files import (
+from crucible.registry.client import ApiClient, ApiError, ApiUnavailable
+from crucible.registry.spool_files import (
     POLL_S,
     append_line,
     is_current,

@@ -19,7 +19,9 @@ __all__ = ["scale_rows", "scale_section"]
 def scale_rows(data: Any) -> list[dict[str, Any]]:
     from crucible.config import apply_overrides
     from crucible.presets import get_preset, parameter_count
-    from crucible.study import StudyData, load_results, load_spec
+    from crucible.study.data import StudyData
+    from crucible.study.runner import load_results
+    from crucible.study.spec import load_spec
 
     def params(spec: Any) -> int:
         return parameter_count(apply_overrides(get_preset(spec.preset), list(spec.common_overrides())))

@@ -1,0 +1,7 @@
+"""The `crucible` command line, outside the library: `cli.main` (the root app: presets, run,
+evaluate, bypass-damage, launch, and the registry's, flows' and dashboards' own commands),
+`cli.study` (`crucible study ...`) and `cli.launch` (`crucible launch`, a distributed run).
+
+The library (`crucible/`) never imports this package, `flows`, `api` or `dashboards`
+(tests/unit/test_imports.py checks it); this is where they meet.
+"""

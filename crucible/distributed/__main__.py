@@ -1,5 +1,0 @@
-import sys
-
-from crucible.distributed.cli import launch_main
-
-sys.exit(launch_main(sys.argv[1:]))
