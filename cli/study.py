@@ -12,21 +12,6 @@ from crucible.study.runner import adopt_results, check_same_cpu
 from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec
 
 
-def _check_machine(spec: SweepSpec, *, memory_check: bool = True) -> None:
-    """Refuse (ConfigError) a spec whose cells this machine cannot run (device, memory estimate
-    of one run), before any run starts; each cell's `crucible run` checks again for itself."""
-    from crucible.config import apply_overrides
-    from crucible.preflight import check_machine
-    from crucible.presets import get_preset
-
-    base, seen = get_preset(spec.preset), set()
-    for cell in expand_cells(spec):
-        config = apply_overrides(base, [o for o in cell.overrides(spec) if not o.startswith("seed=")])
-        if config.to_json() not in seen:
-            seen.add(config.to_json())
-            check_machine(config, memory_check=memory_check)
-
-
 def for_run(spec: SweepSpec, *, jobs: int, seeds: list[int] | None = None) -> SweepSpec:
     """The spec as `study run` runs it: `jobs` cells at a time, and with `seeds` only those
     seeds (of the spec's and of each block's; a block left with none of its own is dropped)."""
@@ -96,12 +81,13 @@ def register(app: Any) -> None:
         if jobs < 1:
             raise fail(f"--jobs must be >= 1, got {jobs}")
         from crucible.config import ConfigError
+        from crucible.preflight import check_spec_here
 
         try:
             spec = load_spec(spec_path)
             spec = for_run(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec))
             if not dry_run:
-                _check_machine(spec, memory_check=not skip_memory_check)
+                check_spec_here(spec, memory_check=not skip_memory_check)
                 if not allow_mixed_cpus:
                     check_same_cpu(spec)
             cells = expand_cells(spec)

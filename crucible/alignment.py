@@ -100,7 +100,7 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
     """The alignment of every inner stage of `trainer`'s global model (replica 0 holds the
     global weights after an outer step) on `windows` held-out windows."""
     from crucible.boundary import principal_angles_deg
-    from crucible.evaluation import standard_error
+    from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
     from crucible.names import BYPASS_DECODES
 
     started = time.perf_counter()
@@ -131,16 +131,11 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
             input_sq[s] += float(x_in.double().pow(2).sum())
         del outputs, inputs
         for s in inner:
-            skip = torch.zeros(1, S, dtype=torch.bool, device=device)
-            skip[0, s] = True
+            skip = bypass_mask(S, s, device)
             for decode in decodes:
-                model.bypass_decode = decode
-                try:
-                    with trainer._autocast():
-                        losses = model(ids, targets, select=select, bypass=skip,
-                                       per_sequence=True)[0]
-                finally:
-                    model.bypass_decode = own
+                with decoding(model, decode), trainer._autocast():
+                    losses = model(ids, targets, select=select, bypass=skip,
+                                   per_sequence=True)[0]
                 skipped_parts.setdefault((s, decode), []).append(losses.double().cpu())
     intact = torch.cat(intact_parts)
     stages = []
@@ -158,8 +153,8 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
             row["angle_mean_deg"] = row["angle_max_deg"] = 0.0
         damage = {}
         for decode in decodes:
-            diff = (torch.cat(skipped_parts[(s, decode)]) - intact) / intact.mean() * 100
-            damage[decode] = (_finite(float(diff.mean())), standard_error(diff.flatten()))
+            mean, stderr = bypass_damage_pct(torch.cat(skipped_parts[(s, decode)]), intact)
+            damage[decode] = (_finite(mean), stderr)
         row["bypass_damage_pct"], row["bypass_damage_stderr_pct"] = damage[own]
         if kind == "mapl":
             row["bypass_damage_by_decode"] = {k: v[0] for k, v in damage.items()}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from crucible.config import Config, ConfigError
-from crucible.evaluation import standard_error
+from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
 from crucible.model_file import MODEL_FILE, load_global_weights
 from crucible.names import BYPASS_DECODES
 from crucible.train import Trainer
@@ -94,16 +94,13 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
         kinds = options or (BYPASS_DECODES if config.pipeline.compression == "mapl" else ("-",))
         rows = []
         for stage in range(1, trainer.S - 1):
-            skip = torch.zeros(1, trainer.S, dtype=torch.bool, device=trainer.device)
-            skip[0, stage] = True
+            skip = bypass_mask(trainer.S, stage, trainer.device)
             for decode in kinds:
-                if decode != "-":
-                    trainer.model.bypass_decode = decode
-                losses = trainer.window_losses(bypass=skip)
-                diff = (losses - intact) / intact.mean() * 100
+                with decoding(trainer.model, None if decode == "-" else decode):
+                    losses = trainer.window_losses(bypass=skip)
+                damage, stderr = bypass_damage_pct(losses, intact)
                 rows.append({"stage": stage, "decode": decode,
                              "val_loss": float(losses.mean()),
-                             "damage_pct": float(diff.mean()),
-                             "damage_stderr_pct": standard_error(diff)})
+                             "damage_pct": damage, "damage_stderr_pct": stderr})
     return {"config": config.to_dict(), "eval_tokens": trainer.eval_tokens,
             "intact": float(intact.mean()), "rows": rows}

@@ -4,7 +4,9 @@ trainer's model, validation windows, config, counters and callback), in a module
 keep train.py under 500 lines."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ from crucible import boundary
 from crucible.errors import TrainingDiverged
 from crucible.events import Metric
 
-__all__ = ["Evaluation", "standard_error"]
+__all__ = ["Evaluation", "standard_error", "bypass_mask", "decoding", "bypass_damage_pct"]
 
 
 def standard_error(values: torch.Tensor) -> float | None:
@@ -21,6 +23,32 @@ def standard_error(values: torch.Tensor) -> float | None:
     has no spread to measure, and None keeps summary.json strict JSON)."""
     n = values.numel()
     return float(values.std() / n ** 0.5) if n > 1 else None
+
+
+def bypass_mask(stages: int, stage: int, device: torch.device | str) -> torch.Tensor:
+    """The (1, S) mask that skips `stage` of one replica's forward (`model(..., bypass=)`)."""
+    mask = torch.zeros(1, stages, dtype=torch.bool, device=device)
+    mask[0, stage] = True
+    return mask
+
+
+@contextlib.contextmanager
+def decoding(model: Any, decode: str | None) -> Iterator[None]:
+    """`model` bypasses with MAPL's `decode` inside the block (None: its own), then its own
+    again."""
+    own = model.bypass_decode
+    model.bypass_decode = own if decode is None else decode
+    try:
+        yield
+    finally:
+        model.bypass_decode = own
+
+
+def bypass_damage_pct(skipped: torch.Tensor, intact: torch.Tensor) -> tuple[float, float | None]:
+    """The instant damage of a bypass, paired by window: the mean over windows of
+    100 (L_skipped - L_intact) / mean(L_intact), and its standard error over windows."""
+    diff = (skipped - intact) / intact.mean() * 100
+    return float(diff.mean()), standard_error(diff.flatten())
 
 
 class Evaluation:

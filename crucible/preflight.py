@@ -22,12 +22,17 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crucible.config import Config, ConfigError
 from crucible.memory import MemoryEstimate, check_fits
 from crucible.store import open_store, parse_store_url
 
-__all__ = ["check_writable_dir", "check_machine", "check_memory", "check_can_start"]
+if TYPE_CHECKING:
+    from crucible.spec import SweepSpec
+
+__all__ = ["check_writable_dir", "check_machine", "check_spec_here", "check_memory",
+           "check_can_start"]
 
 _PROBE_PREFIX = ".crucible-probe/"   # a LIST under it proves the bucket answers; nothing is there
 
@@ -65,6 +70,26 @@ def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimat
     check_config_budget(config)
     device = resolve_device(config.train.device)
     return check_fits(config, device=device) if memory_check else None
+
+
+def check_spec_here(spec: SweepSpec, *, memory_check: bool = True) -> None:
+    """`check_machine` for every distinct configuration of a sweep's or study's cells (the
+    seed aside: it changes neither the device nor the memory), before any of them starts; each
+    run checks again for itself. Raises ConfigError naming the cell."""
+    from crucible.config import apply_overrides
+    from crucible.presets import get_preset
+
+    base, seen = get_preset(spec.preset), set()
+    for cell in spec.cells():
+        config = apply_overrides(base, [o for o in cell.overrides(spec)
+                                        if not o.startswith("seed=")])
+        key = config.to_json()
+        if key not in seen:
+            seen.add(key)
+            try:
+                check_machine(config, memory_check=memory_check)
+            except ConfigError as exc:
+                raise ConfigError(f"cell {cell.id}: {exc}") from None
 
 
 def check_memory(config: Config, *, shared: bool = False) -> MemoryEstimate:

@@ -423,6 +423,19 @@ class SweepSpec(BaseModel):
         """The grid's cells in run order (`expand_cells`)."""
         return expand_cells(self, seeds)
 
+    def refuse_duplicates(self, keyed: Iterable[tuple[Cell, str]]) -> None:
+        """Two cells with one resolved configuration would be one run under two names (a
+        block whose `set` is the preset's own value): raise ValueError naming both. `keyed`
+        pairs each cell with its resolved configuration's key (its canonical JSON, or its
+        fingerprint); the study's loader and the flow's plan both call this."""
+        seen: dict[str, Cell] = {}
+        for cell, key in keyed:
+            other = seen.setdefault(key, cell)
+            if other is not cell:
+                raise ValueError(f"grid[{cell.block}]: cell {cell.id} runs the same configuration "
+                                 f"as {other.id} (its `set` changes nothing under preset "
+                                 f"{self.preset!r}); remove the block or set another value")
+
     def identity(self) -> dict[str, Any]:
         """The spec as JSON without its annotations (`ANNOTATIONS`): what makes two sweeps the
         same sweep, so a re-run with other tags or notes continues the one it re-runs."""

@@ -140,16 +140,9 @@ def _check_here(spec: Any, work_dir: Path, out: Path | None, *, memory_check: bo
     """The embedded sweep trains here: refuse (ConfigError) a cell this machine cannot run and
     output locations that cannot be written, before Prefect or the registry start."""
     from crucible.config import ConfigError
-    from crucible.preflight import check_machine, check_writable_dir
-    from flows.run_flow import resolve_config
+    from crucible.preflight import check_spec_here, check_writable_dir
 
-    seen: set[str] = set()
-    for cell in spec.cells():
-        config = resolve_config(spec.preset, cell.overrides(spec))
-        key = config.to_json()
-        if key not in seen:
-            seen.add(key)
-            check_machine(config, memory_check=memory_check)
+    check_spec_here(spec, memory_check=memory_check)
     check_writable_dir(work_dir, field="--work-dir")
     if out is not None:
         check_writable_dir(out.parent, field="folder of --out")

@@ -95,17 +95,14 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     before anything is registered."""
     store = spec.store_url or settings.store_url
     planned: list[_Planned] = []
-    seen: dict[str, Cell] = {}
     for cell in spec.cells() if cells is None else cells:
         overrides = cell.overrides(spec)
         config = resolve_config(spec.preset, overrides, store, settings.s3_endpoint_url)
-        fingerprint = config_fingerprint(config)
-        if fingerprint in seen:
-            raise ConfigError(f"spec.grid: cell {cell.label} runs the same configuration as "
-                              f"{seen[fingerprint].label} (a block's `set` that changes nothing "
-                              "under this preset); remove the block or set another value")
-        seen[fingerprint] = cell
-        planned.append(_Planned(cell, overrides, config, fingerprint))
+        planned.append(_Planned(cell, overrides, config, config_fingerprint(config)))
+    try:
+        spec.refuse_duplicates((p.cell, p.fingerprint) for p in planned)
+    except ValueError as exc:
+        raise ConfigError(f"spec.{exc}") from None
     return planned
 
 

@@ -207,14 +207,12 @@ def _check_distinct(spec: SweepSpec, path: Path) -> None:
     from crucible.config import apply_overrides
     from crucible.presets import get_preset
 
-    base, seen = get_preset(spec.preset), {}
-    for cell in spec.cells():
-        key = apply_overrides(base, cell.overrides(spec)).to_json()
-        if key in seen:
-            raise StudyError(f"{_where(path, f'grid[{cell.block}]')}: cell {cell.id} runs the "
-                             f"same configuration as {seen[key]} (its `set` changes nothing "
-                             "under this preset); remove the block or set another value")
-        seen[key] = cell.id
+    base = get_preset(spec.preset)
+    try:
+        spec.refuse_duplicates((cell, apply_overrides(base, cell.overrides(spec)).to_json())
+                               for cell in spec.cells())
+    except ValueError as exc:
+        raise StudyError(f"{path}: {exc}") from None
 
 
 def result_path(spec: SweepSpec, cell: Cell) -> Path:

@@ -105,32 +105,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _top_level_imports(tree: ast.Module):
-    """Import statements that run when the module is imported: not inside a function, not under
-    `if TYPE_CHECKING:` (its `else:` does run)."""
+def _imports(tree: ast.Module, *, lazy: bool = False):
+    """Import statements that run when the module is imported: not inside a function (with
+    `lazy`, those too), not under `if TYPE_CHECKING:` (its `else:` does run)."""
     todo = list(tree.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not lazy:
             continue
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend(node.orelse)
-        else:
-            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
-            if isinstance(node, ast.Try):
-                todo.extend(s for handler in node.handlers for s in handler.body)
-
-
-def _all_imports(tree: ast.Module):
-    """Every import statement that can run, in a function body too (lazy imports), except
-    those under `if TYPE_CHECKING:`."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
             todo.extend(node.orelse)
         else:
@@ -142,10 +126,9 @@ def _all_imports(tree: ast.Module):
 def _import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     graph: dict[str, set[str]] = {name: set() for name in files}
-    imports = _all_imports if lazy else _top_level_imports
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=lazy):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -251,7 +234,7 @@ def test_the_library_never_imports_the_services_or_the_command_line():
     outside = {"cli", "flows", "api", "dashboards", "db"}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in _all_imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=True):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
                 else [node.module or ""] if not node.level else []
             found += [f"{path.relative_to(ROOT)}: {n}" for n in names

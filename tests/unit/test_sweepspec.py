@@ -213,10 +213,28 @@ def test_the_flow_refuses_two_cells_of_one_configuration() -> None:
     same = [{"arms": ["mapl"], "strategies": ["skip"], "p": [0.2]},
             {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2],
              "set": ["pipeline.bypass_decode=identity"]}]      # the smoke preset's own value
-    with pytest.raises(ConfigError, match="runs the same configuration as"):
+    with pytest.raises(ConfigError, match=r"^spec\.grid\[1\]: cell mapl-skip-p0\.2-bypass_decode_"
+                       r"identity-s0 runs the same configuration as mapl-skip-p0\.2-s0 "):
         _plan(SweepSpec(grid=same), FlowSettings())
 
 
 def test_concurrency_is_no_part_of_a_sweeps_identity() -> None:
     assert (SweepSpec(**{**DEMO_SPEC, "max_concurrent_runs": 4}).identity()
             == SweepSpec(**DEMO_SPEC).identity())
+
+
+def test_a_spec_this_machine_cannot_run_is_refused_naming_a_cell() -> None:
+    """One check of a sweep's or study's cells here (crucible sweep, crucible study run):
+    each distinct configuration once, the failure naming the first cell that has it."""
+    import torch
+
+    from crucible.config import ConfigError
+    from crucible.preflight import check_spec_here
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    check_spec_here(SweepSpec(**DEMO_SPEC), memory_check=False)          # runs here: no error
+    spec = SweepSpec(**{**DEMO_SPEC, "overrides": ["train.device=cuda"]})
+    first = spec.cells()[0].id
+    with pytest.raises(ConfigError, match=rf"^cell {first}: train\.device=cuda but no CUDA"):
+        check_spec_here(spec, memory_check=False)
