@@ -4,6 +4,10 @@ PYTHON ?= python3.11
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# the tests run in parallel processes (pytest-xdist), a test file to a process so that its
+# module fixtures start once; TEST_WORKERS=1 runs them in this process, one after another
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit test-slow test-all lint system-deps corpus clean
@@ -30,17 +34,17 @@ demo: install
 	$(BIN)/crucible sweep --demo
 
 test: install
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" -q
 
 # the fast lane: tests/unit only (no Postgres, no S3 server, no Prefect, no browser)
 test-unit: install
-	$(BIN)/python -m pytest -m "unit and not slow" -q
+	$(BIN)/python -m pytest $(XDIST) -m "unit and not slow" -q
 
 test-slow: install
-	$(BIN)/python -m pytest -m "slow" -q
+	$(BIN)/python -m pytest $(XDIST) -m "slow" -q
 
 test-all: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest $(XDIST) -q
 
 lint: install
 	$(BIN)/ruff check crucible cli flows api db dashboards tests benchmarks infra

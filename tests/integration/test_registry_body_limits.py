@@ -65,10 +65,10 @@ def _drive(app, *, method: str, path: str, headers: list[tuple[bytes, bytes]],
 @pytest.mark.parametrize("headers", [[], [(b"authorization", b"Bearer wrong")]],
                          ids=["no-token", "wrong-token"])
 @pytest.mark.parametrize("method,path", [
-    ("POST", f"{V1}/runs/{uuid.uuid4()}/metrics:batch"),
-    ("POST", f"{V1}/runs/{uuid.uuid4()}/events:batch"),
+    ("POST", f"{V1}/runs/{uuid.UUID(int=1, version=4)}/metrics:batch"),
+    ("POST", f"{V1}/runs/{uuid.UUID(int=2, version=4)}/events:batch"),
     ("POST", f"{V1}/sweeps"),
-    ("PATCH", f"{V1}/runs/{uuid.uuid4()}"),
+    ("PATCH", f"{V1}/runs/{uuid.UUID(int=3, version=4)}"),
 ])
 def test_write_without_a_valid_token_gets_401_before_its_body_is_read(
         registry_app, headers, method, path):
@@ -79,8 +79,8 @@ def test_write_without_a_valid_token_gets_401_before_its_body_is_read(
 
 
 @pytest.mark.parametrize("endpoint,path", [
-    ("metrics", f"{V1}/runs/{uuid.uuid4()}/metrics:batch"),
-    ("events", f"{V1}/runs/{uuid.uuid4()}/events:batch"),
+    ("metrics", f"{V1}/runs/{uuid.UUID(int=4, version=4)}/metrics:batch"),
+    ("events", f"{V1}/runs/{uuid.UUID(int=5, version=4)}/events:batch"),
     ("documents", f"{V1}/sweeps"),
 ])
 def test_streamed_body_over_the_endpoint_limit_gets_413_once_the_limit_is_passed(
