@@ -51,14 +51,44 @@ def sweep_claims(session: Session, *, sweep_id: uuid.UUID,
         ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
         return float(value) if ok else 0.5
 
+    references, only = _claim_choices(spec)
     try:
         result = stats.sweep_claims(sweep_run_rows(session, sweep_id=sweep_id),
                                     duration=duration, close_margin=number("close_margin"),
                                     equivalence_margin=number("equivalence_margin"),
-                                    target_half_width=number("target_half_width"))
+                                    target_half_width=number("target_half_width"),
+                                    references=references, only=only)
     except ValueError as exc:
         raise InvalidInputError(str(exc), field="duration") from None
     return {"sweep_id": sweep_id, **result}
+
+
+def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[str] | None]:
+    """The stored spec's `references` and `claims` (crucible.spec.SweepSpec's fields), each
+    validated as the spec model validates it; unset: the blog's, all five. A stored value the
+    model refuses is a 422 naming it (a sweep registered by hand with a malformed spec)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from crucible.spec import ClaimTag, Reference
+
+    def valid(name: str, kind: Any) -> Any:
+        value = spec.get(name)
+        if value is None:
+            return None
+        try:
+            return TypeAdapter(kind).validate_python(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                            for part in first["loc"])
+            raise InvalidInputError(f"the sweep's stored spec.{name}{where}: {first['msg']}; "
+                                    "register the sweep again with a valid spec",
+                                    field=f"spec.{name}") from None
+
+    refs = valid("references", list[Reference])
+    only = valid("claims", list[ClaimTag])
+    return (None if refs is None else {(r.arm, r.strategy, r.p): r.pct for r in refs},
+            None if only is None else list(only))
 
 
 def sweep_table(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:

@@ -89,6 +89,9 @@ class ClaimsPublic(BaseModel):
     close_margin: float
     equivalence_margin: float
     target_half_width: float
+    references: Literal["blog", "spec"] = Field(
+        description="where the comparisons' reference values come from: the blog's Table 1, "
+                    "or the sweep spec's own `references`")
     claims: list[ClaimOut]
 
 

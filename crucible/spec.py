@@ -46,7 +46,7 @@ from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Str
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "Cell",
            "GridKey", "expand_cells", "grid_keys", "ARMS", "STRATEGIES", "PRESET_NAMES",
            "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
-           "DEMO_SPEC", "identity_of"]
+           "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS"]
 
 Arm = Compression
 StrategyName = Strategy
@@ -62,7 +62,7 @@ BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode",)
 # read (its claims' margins and target), where a study keeps its files and how many cells run
 # at once are not what it runs
 ANNOTATIONS = ("tags", "notes", "title", "files", "close_margin", "equivalence_margin",
-               "target_half_width", "max_concurrent_runs")
+               "target_half_width", "max_concurrent_runs", "references", "claims")
 # fields added after specs were first stored: left out of the identity while unset, so a sweep
 # stored by an earlier release is continued by its re-run
 _LATER_OPTIONAL = ("max_seeds", "grid")
@@ -220,6 +220,25 @@ class StudyFiles(BaseModel):
                               description="Specs whose identical runs count as its own cells.")
 
 
+ClaimTag = Literal["a", "b", "c", "d", "e"]
+CLAIM_TAGS: tuple[str, ...] = get_args(ClaimTag)
+
+
+class Reference(BaseModel):
+    """A published degradation that the claims hold the measured one against (the blog's Table
+    1 by default): an arm's degradation under a strategy at a failure rate, in % of the loss."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arm: Arm = Field(description="Compression arm: none, ssn or mapl.")
+    strategy: Literal["skip", "drop"] = Field(
+        "skip", description="The strategy it was measured under (the claims compare skip and "
+                            "drop).")
+    p: float = Field(gt=0, lt=1, description="Failure probability per replica per global step.")
+    pct: float = Field(ge=-100, le=1000,
+                       description="Degradation, 100 (L - L0) / L0 of the final validation loss.")
+
+
 class SweepSpec(BaseModel):
     """A failure-rate sweep or study: every cell of its grid (each arm x strategy x failure
     probability x seed of each block), plus one p = 0 baseline per arm and seed."""
@@ -304,6 +323,15 @@ class SweepSpec(BaseModel):
         description="The 95% half-width, in points, a cell's interval should reach; the "
                     "Claims panel shows each comparison's width against it and the seeds "
                     "its measured sd says it needs.")
+    references: list[Reference] | None = Field(
+        None, description="Published degradations the claims compare with, each {arm, "
+                          "strategy, p, pct}. Empty = the blog's Table 1 (skip at p = 0.1 and "
+                          "0.2 for the three arms).")
+    claims: list[ClaimTag] | None = Field(
+        None, description="The claims this sweep decides, of (a) skip costs less than drop, "
+                          "(b) degradation grows with p, (c) SSN degrades least, (d) MAPL is "
+                          "close to uncompressed, (e) at p = 0.01 the loss stays close to its "
+                          "baseline. Empty = all five.")
     files: StudyFiles | None = Field(
         None, description="Where a study keeps its files (set by `crucible study`).")
 
@@ -394,6 +422,32 @@ class SweepSpec(BaseModel):
         return self
 
     # -- the grid --------------------------------------------------------------------------------
+    @field_validator("references")
+    @classmethod
+    def _one_reference_a_cell(cls, value: list[Reference] | None) -> list[Reference] | None:
+        seen: set[tuple[str, str, float]] = set()
+        for ref in value or ():
+            key = (ref.arm, ref.strategy, ref.p)
+            if key in seen:
+                raise ValueError(f"two references for {ref.arm}/{ref.strategy} at p = {ref.p:g}; "
+                                 "give each (arm, strategy, p) once")
+            seen.add(key)
+        return value
+
+    @field_validator("claims")
+    @classmethod
+    def _claims_once(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("an empty list decides no claim; leave it out for all five")
+        return None if value is None else _no_repeats(value, "a claim")
+
+    def reference_values(self) -> dict[tuple[str, str, float], float] | None:
+        """The references as the claims take them, {(arm, strategy, p): pct}; None: the
+        blog's."""
+        if self.references is None:
+            return None
+        return {(r.arm, r.strategy, r.p): r.pct for r in self.references}
+
     @property
     def blocks(self) -> list[GridBlock]:
         """The grid's blocks: `grid`, or the one block of arms, strategies and

@@ -8,9 +8,12 @@ Stdlib only: no torch, no numpy (the API process and `crucible api` import it; a
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from crucible.stats.claims import (
     AGREES,
     BLOG_DROP,
+    BLOG_REFERENCES,
     BLOG_SKIP,
     CLAIM_COLUMNS,
     CLAIM_PS,
@@ -25,6 +28,7 @@ from crucible.stats.claims import (
     UNRESOLVED,
     Claim,
     Comparison,
+    References,
     claim_rows,
     claims_to_dict,
     evaluate_claims,
@@ -62,7 +66,7 @@ from crucible.stats.pairing import (
 )
 
 __all__ = [
-    "AGREES", "BLOG_DROP", "BLOG_SKIP", "CLAIM_PS", "CONTRADICTS", "DISAGREES", "LOW_P",
+    "AGREES", "BLOG_DROP", "BLOG_REFERENCES", "BLOG_SKIP", "References", "CLAIM_PS", "CONTRADICTS", "DISAGREES", "LOW_P",
     "MISSING", "NOT_RESOLVED", "NOT_RUN", "SUPPORTS", "TABLE1_ARMS", "UNRESOLVED", "Claim",
     "Comparison", "claims_to_dict", "claim_rows", "CLAIM_COLUMNS", "evaluate_claims", "growth_slopes", "skip_minus_drop",
     "LEVEL", "MAX_SEEDS", "Stat", "half_width", "paired_stat", "relative_degradation",
@@ -77,7 +81,8 @@ __all__ = [
 
 def sweep_claims(runs: list[dict[str, object]], *, duration: int | None = None,
                  close_margin: float = 0.5, equivalence_margin: float = 0.5,
-                 target_half_width: float = 0.5) -> dict[str, object]:
+                 target_half_width: float = 0.5, references: References | None = None,
+                 only: Sequence[str] | None = None) -> dict[str, object]:
     """The claims of a sweep's runs (rows as `robustness` takes them), at one failure duration:
     `duration`, or the only one the runs have. Raises ValueError naming the durations when
     there are several and none is chosen, or the chosen one has no run."""
@@ -94,7 +99,9 @@ def sweep_claims(runs: list[dict[str, object]], *, duration: int | None = None,
     chosen = {CellKey(k.arm, k.strategy, k.p, k.label): {s: v for s, (v, _) in by_seed.items()}
               for k, by_seed in cells.items() if k.duration == duration and k.p > 0}
     claims = evaluate_claims(chosen, close_margin=close_margin,
-                             equivalence_margin=equivalence_margin)
+                             equivalence_margin=equivalence_margin, references=references,
+                             only=only)
     return {"duration": duration, "close_margin": close_margin,
+            "references": "blog" if references is None else "spec",
             "equivalence_margin": equivalence_margin, "target_half_width": target_half_width,
             "claims": claims_to_dict(claims, target_half_width=target_half_width)}

@@ -8,8 +8,10 @@ rather than vanishing. The same function decides the claims for the study docume
 
 Claims (a)-(d) are the blog's, (e) the seed texts' reading of it at p = 0.01. Each comparison
 supports, contradicts, or leaves its claim unresolved; a claim agrees when all its comparisons
-support it, disagrees when any contradicts it. Where the blog gives a number for a comparison
-(Table 1's skip column), it is carried as `reference`.
+support it, disagrees when any contradicts it. Where the references give a number for a
+comparison's quantity, it is carried as `reference`: by default the blog's Table 1 (its skip
+column); a spec may give its own (`SweepSpec.references`, {(arm, strategy, p): pct}), and may
+decide only some of the claims (`SweepSpec.claims`).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from crucible.stats.intervals import (
 )
 from crucible.stats.pairing import CellKey
 
-__all__ = ["Comparison", "Claim", "evaluate_claims", "claims_to_dict", "skip_minus_drop",
+__all__ = ["Comparison", "Claim", "evaluate_claims", "BLOG_REFERENCES", "References", "claims_to_dict", "skip_minus_drop",
            "growth_slopes", "BLOG_SKIP", "BLOG_DROP", "CLAIM_PS", "LOW_P", "TABLE1_ARMS",
            "AGREES", "DISAGREES", "NOT_RESOLVED", "NOT_RUN", "SUPPORTS", "CONTRADICTS",
            "UNRESOLVED", "MISSING", "claim_rows", "CLAIM_COLUMNS"]
@@ -40,6 +42,10 @@ BLOG_SKIP: dict[tuple[str, float], float] = {
     ("ssn", 0.2): 0.9, ("mapl", 0.2): 1.1, ("none", 0.2): 1.2,
 }
 BLOG_DROP = "+3.4-3.6%"
+# the same as references: (arm, strategy, p) -> degradation in % of the loss
+References = Mapping[tuple[str, str, float], float]
+BLOG_REFERENCES: dict[tuple[str, str, float], float] = {
+    (arm, "skip", p): value for (arm, p), value in BLOG_SKIP.items()}
 CLAIM_PS: tuple[float, ...] = (0.1, 0.2)                        # Table 1's failure rates
 LOW_P = 0.01      # the seed texts' reading of the blog: "at 1% ... stays close to baseline"
 TABLE1_ARMS: tuple[str, ...] = ("ssn", "mapl", "none")          # the blog's column order
@@ -180,39 +186,75 @@ def _arm_pairs(cells: Cells, arm: str, others: Sequence[str]) -> list[tuple[str,
     return rows
 
 
-def _blog_diff(arm: str, other: str, p: float) -> float | None:
-    a, b = BLOG_SKIP.get((arm, p)), BLOG_SKIP.get((other, p))
-    return None if a is None or b is None else round(a - b, 6)
+def _ref_diff(refs: References, a: tuple[str, str, float],
+              b: tuple[str, str, float]) -> float | None:
+    x, y = refs.get(a), refs.get(b)
+    return None if x is None or y is None else round(x - y, 6)
 
 
-def _blog_slope(arm: str, strategy: str, ps: Sequence[float]) -> float | None:
-    """The blog's skip slope per 0.1 of p over Table 1's two rates, where the grid's p are
-    exactly those (another set of p is another quantity)."""
-    if strategy != "skip" or tuple(ps) != CLAIM_PS:
+def _ref_slope(refs: References, arm: str, strategy: str, ps: Sequence[float]) -> float | None:
+    """The references' slope per 0.1 of p, where they give a value at every p of the grid's
+    (over other p it is another quantity)."""
+    values = [refs.get((arm, strategy, p)) for p in ps]
+    if len(ps) < 2 or any(v is None for v in values):
         return None
-    return round(BLOG_SKIP[(arm, 0.2)] - BLOG_SKIP[(arm, 0.1)], 6)
+    return round(0.1 * slope(list(zip(ps, values, strict=True))), 6)
+
+
+def _pct(value: float) -> str:
+    return f"{value:+g}%"
+
+
+def _quote(refs: References, keys: Sequence[tuple[str, str, float]]) -> str:
+    """What a spec's own references say of a claim's quantities, listed."""
+    given = [f"{ARM_LABEL[arm]} {strategy} at p = {p:g}: {_pct(refs[(arm, strategy, p)])}"
+             for arm, strategy, p in keys if (arm, strategy, p) in refs]
+    return ("the spec's references: " + "; ".join(given)) if given else \
+        "no reference value in the spec's references"
 
 
 def evaluate_claims(cells: Cells, *, close_margin: float = 0.5,
-                    equivalence_margin: float = 0.5) -> list[Claim]:
+                    equivalence_margin: float = 0.5, references: References | None = None,
+                    only: Sequence[str] | None = None) -> list[Claim]:
     """The blog's four claims (a)-(d) and the seed texts' reading of it at p = 0.01 (e), each
     decided by an explicit rule on paired 95% intervals; `cells` maps each planned cell to its
-    per-seed degradations (module docstring)."""
+    per-seed degradations (module docstring). `references` (default the blog's) give the
+    comparisons' reference values; `only` keeps those claims (tags), in their order."""
     margin, band = close_margin, equivalence_margin
-    a = tuple(Comparison(f"{ARM_LABEL[arm]}, p = {p:g}", s, _sign_status(s, "below"))
+    refs = BLOG_REFERENCES if references is None else references
+    a = tuple(Comparison(f"{ARM_LABEL[arm]}, p = {p:g}", s, _sign_status(s, "below"),
+                         reference=_ref_diff(refs, (arm, "skip", p), (arm, "drop", p)))
               for arm, p, s in skip_minus_drop(cells))
     b = tuple(Comparison(f"{ARM_LABEL[arm]}, {strategy}", s, _sign_status(s, "above"),
-                         reference=_blog_slope(arm, strategy, ps))
+                         reference=_ref_slope(refs, arm, strategy, ps))
               for arm, strategy, ps, s in growth_slopes(cells))
     c = tuple(Comparison(f"SSN - {ARM_LABEL[other]}, p = {p:g}", s, _sign_status(s, "below"),
-                         reference=_blog_diff("ssn", other, p))
+                         reference=_ref_diff(refs, ("ssn", "skip", p), (other, "skip", p)))
               for other, p, s in _arm_pairs(cells, "ssn", ("mapl", "none")))
     d = tuple(Comparison(f"MAPL - uncompressed, p = {p:g}", s, _band_status(s, margin), margin,
-                         reference=_blog_diff("mapl", "none", p))
+                         reference=_ref_diff(refs, ("mapl", "skip", p), ("none", "skip", p)))
               for _, p, s in _arm_pairs(cells, "mapl", ("none",)))
-    e = tuple(Comparison(f"{ARM_LABEL[arm]}, skip, p = {LOW_P:g}", s, _band_status(s, band), band)
+    e = tuple(Comparison(f"{ARM_LABEL[arm]}, skip, p = {LOW_P:g}", s, _band_status(s, band), band,
+                         reference=refs.get((arm, "skip", LOW_P)))
               for arm in ARMS for values in [_find(cells, arm, "skip", LOW_P)]
               if values is not None for s in [stat_of(values)])
+    quotes = _blog_quotes() if references is None else {
+        tag: _quote(refs, keys) for tag, keys in _quoted_keys(cells).items()}
+    claims = _claims(quotes, margin, band, (a, b, c, d, e))
+    return claims if only is None else [claim for claim in claims if claim.tag in only]
+
+
+def _quoted_keys(cells: Cells) -> dict[str, list[tuple[str, str, float]]]:
+    """Per claim, the (arm, strategy, p) whose references speak to it."""
+    ps = sorted({k.p for k in cells if not k.label and k.p > 0} | set(CLAIM_PS))
+    both = [(arm, strategy, p) for arm in ARMS for p in ps for strategy in ("skip", "drop")]
+    skip_at = [(arm, "skip", p) for p in CLAIM_PS for arm in TABLE1_ARMS]
+    return {"a": both, "b": both, "c": skip_at, "d": [k for k in skip_at if k[0] != "ssn"],
+            "e": [(arm, "skip", LOW_P) for arm in TABLE1_ARMS]}
+
+
+def _blog_quotes() -> dict[str, str]:
+    """What the blog (and, for (e), the seed texts) say of each claim."""
     blog_b = ", ".join(f"{ARM_LABEL[arm]} +{BLOG_SKIP[(arm, 0.1)]:.1f} -> "
                        f"+{BLOG_SKIP[(arm, 0.2)]:.1f}%" for arm in TABLE1_ARMS)
     blog_c = "; ".join(f"p = {p:g}: SSN +{BLOG_SKIP[('ssn', p)]:.1f}% vs MAPL "
@@ -220,35 +262,42 @@ def evaluate_claims(cells: Cells, *, close_margin: float = 0.5,
                        for p in CLAIM_PS)
     blog_d = "; ".join(f"p = {p:g}: MAPL +{BLOG_SKIP[('mapl', p)]:.1f}% vs uncompressed "
                        f"+{BLOG_SKIP[('none', p)]:.1f}%" for p in CLAIM_PS)
+    return {"a": f"drop {BLOG_DROP} vs skip +0.6-0.9%", "b": f"skip: {blog_b}", "c": blog_c,
+            "d": blog_d,
+            "e": "\"at a 1% failure probability per replica per global step, validation loss "
+                 "stays close to baseline\" (two of the three seed texts)"}
+
+
+def _claims(quotes: Mapping[str, str], margin: float, band: float,
+            comparisons: Sequence[tuple[Comparison, ...]]) -> list[Claim]:
+    a, b, c, d, e = comparisons
     return [
         Claim("a", "skip costs less than drop at every p",
-              f"drop {BLOG_DROP} vs skip +0.6-0.9%", "skip - drop, points (paired by seed)",
+              quotes["a"], "skip - drop, points (paired by seed)",
               "agrees if, for every arm and every p > 0 of the grid, the 95% interval of the "
               "paired difference skip - drop lies entirely below 0; disagrees if any lies "
               "entirely above 0; not resolved otherwise (an interval contains 0, or a "
               "comparison has fewer than 2 seeds)", a),
-        Claim("b", "degradation grows with p", f"skip: {blog_b}",
+        Claim("b", "degradation grows with p", quotes["b"],
               "slope of degradation over the failure rates p > 0, points per 0.1 of p",
               "per arm and strategy (skip, drop), each seed's least-squares slope of "
               "degradation against p over the grid's p values above 0 (p = 0 left out: its "
               "degradation is 0 by definition); agrees if every "
               "slope's 95% interval lies entirely above 0; disagrees if any lies entirely "
               "below 0; not resolved otherwise", b),
-        Claim("c", "SSN degrades least at p = 0.1 and 0.2", blog_c,
+        Claim("c", "SSN degrades least at p = 0.1 and 0.2", quotes["c"],
               "SSN - other arm, skip, points (paired by seed)",
               "at p = 0.1 and 0.2 (skip), the paired differences SSN - MAPL and SSN - "
               "uncompressed; agrees if every 95% interval lies entirely below 0; disagrees if "
               "any lies entirely above 0; not resolved otherwise", c),
-        Claim("d", "MAPL is close to uncompressed", blog_d,
+        Claim("d", "MAPL is close to uncompressed", quotes["d"],
               "MAPL - uncompressed, skip, points (paired by seed)",
               f"close means within ±{margin:g} points (the spec's close_margin); at p = 0.1 "
               f"and 0.2 (skip), agrees if the 95% interval of the paired difference MAPL - "
               f"uncompressed lies inside [-{margin:g}, +{margin:g}]; disagrees if it lies "
               f"entirely outside that band; not resolved otherwise", d),
         Claim("e", f"at p = {LOW_P:g} the loss stays within ±{band:g} points of its baseline "
-              "(the seed texts' reading)",
-              "\"at a 1% failure probability per replica per global step, validation loss "
-              "stays close to baseline\" (two of the three seed texts)",
+              "(the seed texts' reading)", quotes["e"],
               "degradation under skip, points",
               f"an equivalence test: per arm at p = {LOW_P:g} (skip), agrees if the 95% interval "
               f"of the degradation lies inside [-{band:g}, +{band:g}] (the spec's "

@@ -67,7 +67,8 @@ class StudyData:
     def claims(self) -> list[Claim]:
         """The blog's claims (a)-(e) decided on this study's data, with its spec's margins."""
         return evaluate_claims(self.claim_cells(), close_margin=self.spec.close_margin,
-                               equivalence_margin=self.spec.equivalence_margin)
+                               equivalence_margin=self.spec.equivalence_margin,
+                               references=self.spec.reference_values(), only=self.spec.claims)
 
     def stat(self, key: GridKey) -> Stat:
         return stat_of(self.degradation(key))

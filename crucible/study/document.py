@@ -127,22 +127,30 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
                 f"in `{spec.shown(spec.results_dir)}/`) and render this file again with "
                 f"`{spec.command}`. The study's runs are {scale}, not the blog's 178M "
                 "Chinchilla-budget runs."]
-    a = by_tag["a"]
     first = (f"At p = 0.1 and 0.2, skipping a failed stage raised the final validation loss by "
              f"{_range(skip)} over the arms (cell means) and dropping the replica's tokens by "
-             f"{_range(drop)}, against the blog's +0.6-0.9% and {BLOG_DROP}; the blog's \"skip "
-             f"costs less than drop at every p\" is {_verdict_word(a)} here "
-             f"({a.count('supports')} of {len(a.comparisons)} paired comparisons have their 95% "
-             "interval below 0).")
-    second = ("Of the blog's other claims, \"degradation grows with p\" is "
-              f"{_verdict_word(by_tag['b'])}, \"SSN degrades least\" is "
-              f"{_verdict_word(by_tag['c'])}, and \"MAPL is close to uncompressed\" (within "
-              f"±{spec.close_margin:g} points) is {_verdict_word(by_tag['d'])}.")
-    e = by_tag["e"]
-    second += (f" The seed texts' \"at p = {LOW_P:g} the loss stays close to baseline\" (within "
-               f"±{spec.equivalence_margin:g} points) is "
-               + (f"{_verdict_word(e)}." if e.comparisons else
-                  f"not tested: p = {LOW_P:g} is not in this grid."))
+             f"{_range(drop)}, against the blog's +0.6-0.9% and {BLOG_DROP}")
+    a = by_tag.get("a")
+    first += ("." if a is None else
+              f"; the blog's \"skip costs less than drop at every p\" is {_verdict_word(a)} "
+              f"here ({a.count('supports')} of {len(a.comparisons)} paired comparisons have "
+              "their 95% interval below 0).")
+    named = {"b": "\"degradation grows with p\"", "c": "\"SSN degrades least\"",
+             "d": f"\"MAPL is close to uncompressed\" (within ±{spec.close_margin:g} points)"}
+    words = [f"{name} is {_verdict_word(by_tag[tag])}" for tag, name in named.items()
+             if tag in by_tag]
+    second = ""
+    if words:
+        listed = ", ".join(words[:-1]) + ", and " + words[-1] if len(words) > 2 else \
+            " and ".join(words)
+        second = f"Of the blog's {'other ' if a is not None else ''}claims, {listed}."
+    e = by_tag.get("e")
+    if e is not None:
+        second += (f" The seed texts' \"at p = {LOW_P:g} the loss stays close to baseline\" "
+                   f"(within ±{spec.equivalence_margin:g} points) is "
+                   + (f"{_verdict_word(e)}." if e.comparisons else
+                      f"not tested: p = {LOW_P:g} is not in this grid."))
+    second = second.strip()
     ns = sorted({data.stat(k).n for k in data.grid()} - {0})
     seeds = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
     run = sum(1 for k in data.grid() if data.stat(k).n)
@@ -152,7 +160,7 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
            f"; differences smaller than about {resolvable:.2f} points are within this study's noise")
     third = (f"These are {scale} with {seeds} seed{'s' if ns[-1] != 1 else ''} per cell{cells}, "
              f"not the blog's 178M Chinchilla-budget runs{res}.")
-    return [first + " " + second + " " + third]
+    return [" ".join(part for part in (first, second, third) if part)]
 
 
 def _missing_count(data: StudyData) -> tuple[int, int]:
@@ -343,7 +351,8 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     for claim in claims:
         rows.append([f"({claim.tag}) {claim.title}", claim.blog, _claim_summary(claim),
                      f"**{claim.verdict}**", _seeds_needed(claim)])
-    out += _table(["claim", "blog", "Crucible (95% CI)", "agrees?",
+    out += _table(["claim", "blog" if spec.references is None else "reference",
+                   "Crucible (95% CI)", "agrees?",
                    "seeds that would decide it"], rows)
     out += ["", "\"Seeds that would decide it\": for a claim not resolved, the seeds after which "
             "every open comparison's 95% interval would clear its boundary if its mean and sd "

@@ -29,7 +29,7 @@ DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "studies" / "table1.toml"
 _RENAMED = {"set": "overrides", "resolve_threshold": "target_half_width"}
 _MODEL_KEYS = {"name", "preset", "seeds", "set", "grid", "title", "notes", "close_margin",
                "resolve_threshold", "target_half_width", "equivalence_margin", "duration",
-               "global_steps", "max_seeds"}
+               "global_steps", "max_seeds", "references", "claims"}
 _FILE_KEYS = {"results_dir", "runs_dir", "document", "figures_dir"}
 _SPEC_LISTS = {"pilots": '["pilot-w128-lr2.toml"]',
                "token_check": '["pilot-half.toml", "pilot-full.toml"]',
@@ -76,12 +76,14 @@ def _problem(path: Path, err: Any) -> str:
     """One pydantic error as the spec's author reads it: the TOML's field, what is wrong and
     an example of what is right."""
     loc = tuple(err["loc"])
-    if err["type"] == "extra_forbidden" and len(loc) >= 2:      # a grid block's key
-        return (f"{_where(path, _loc(loc[:-1]))}: unknown key {loc[-1]!r}; a grid block "
-                f"takes {_BLOCK_KEYS}")
+    if err["type"] == "extra_forbidden" and len(loc) >= 2:      # a grid block's or reference's key
+        takes = "a reference takes arm, strategy, p and pct" if loc[0] == "references" else \
+            f"a grid block takes {_BLOCK_KEYS}"
+        return f"{_where(path, _loc(loc[:-1]))}: unknown key {loc[-1]!r}; {takes}"
     message = err["msg"].removeprefix("Value error, ")
     names = [part for part in loc if isinstance(part, str)]
-    if err["type"] != "value_error" and names and names[-1] in _EXAMPLES:
+    if err["type"] != "value_error" and names and names[-1] in _EXAMPLES \
+            and loc[0] != "references":
         message += f"; e.g. {names[-1] if names[-1] != 'overrides' else 'set'} = " \
                    f"{_EXAMPLES[names[-1]]}"
     return f"{_where(path, _loc(loc))}: {message}"

@@ -124,8 +124,9 @@ def _seeds(c: Mapping[str, Any], max_seeds: str) -> str:
 
 def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
     """The Claims panel: per claim of the blog its verdict, and per comparison the paired 95%
-    interval against the blog's value, the half-width against the sweep's target, and the
-    seeds it has / needs for the target (· the seeds that would decide it, if unresolved)."""
+    interval against the reference value (the blog's, or the sweep spec's own `references`),
+    the half-width against the sweep's target, and the seeds it has / needs for the target
+    (· the seeds that would decide it, if unresolved)."""
     if claims.get("error"):
         return (f'<section id="claims"><h2>Claims</h2>'
                 f'{banner("info", esc(claims["error"]))}</section>')
@@ -133,8 +134,10 @@ def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
     if not items:
         return ""
     target = _number(claims.get("target_half_width")) or 0.5
+    own = claims.get("references") == "spec"
+    source = "the sweep spec's references" if own else "the blog's Table 1"
     head = ("<tr><th>claim</th><th>verdict</th><th>comparison</th><th>status</th>"
-            "<th>paired 95% interval, points</th><th>blog</th><th>half-width vs target</th>"
+            "<th>paired 95% interval, points</th><th>reference</th><th>half-width vs target</th>"
             "<th>seeds: have / need for target</th></tr>")
     rows = []
     for claim in items:
@@ -143,7 +146,8 @@ def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
         most = _count(claim.get("max_seeds")) or "1000"
         span = f' rowspan="{len(comparisons)}"'
         lead = (f'<td{span} title="{esc(claim.get("rule"))}"><b>({esc(claim.get("tag"))})</b> '
-                f'{esc(claim.get("title"))}<br><small>blog: {esc(claim.get("blog"))}</small></td>'
+                f'{esc(claim.get("title"))}<br><small>{"reference" if own else "blog"}: '
+                f'{esc(claim.get("blog"))}</small></td>'
                 f'<td{span} class="verdict verdict-{_VERDICT_CLASS.get(verdict, "none")}" '
                 f'data-claim="{esc(claim.get("tag"))}">{esc(verdict)}</td>')
         for i, c in enumerate(comparisons):
@@ -161,7 +165,8 @@ def claims_panel(claims: Mapping[str, Any], export: str = "") -> str:
             f"{f' (failure duration {esc(duration)})' if duration is not None else ''}; "
             f"close = ±{_number(claims.get('close_margin')) or 0.5:g}, equivalence = "
             f"±{_number(claims.get('equivalence_margin')) or 0.5:g}, target half-width "
-            f"±{target:g}. A verdict never rests on one seed; hover a claim for its rule.</p>")
+            f"±{target:g}; reference values: {source}. A verdict never rests on one seed; "
+            f"hover a claim for its rule.</p>")
     return (f'<section id="claims"><h2>Claims</h2>{note}'
             f'<table class="data" id="claims-table">{head}{"".join(rows)}</table>'
             f"{export}</section>")

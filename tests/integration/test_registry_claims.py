@@ -76,6 +76,53 @@ def test_claims_need_one_duration(registry):
                         params={"duration": 3}).status_code == 422
 
 
+def test_claims_read_the_specs_references_and_claims(registry):
+    """A sweep's spec may hold the claims against its own references and decide only some."""
+    references = [{"arm": "mapl", "strategy": "skip", "p": 0.1, "pct": 1.5},
+                  {"arm": "mapl", "strategy": "drop", "p": 0.1, "pct": 3.0},
+                  {"arm": "none", "strategy": "skip", "p": 0.1, "pct": 1.0}]
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "refs", "spec": {
+        "references": references, "claims": ["a", "d"]}}).json()
+    for seed in (0, 1, 2):
+        for arm in ("mapl", "none"):
+            for p, strategy, loss in ((0.0, "skip", 2.0), (0.1, "skip", 2.02 + 0.001 * seed),
+                                      (0.1, "drop", 2.06 - 0.002 * seed)):
+                run = _create(registry, sweep["id"], _config(p=p, seed=seed, compression=arm,
+                                                             strategy=strategy))
+                _finish(registry, run["id"], "completed", loss)
+    body = registry.get(f"{V1}/sweeps/{sweep['id']}/claims").json()
+    assert body["references"] == "spec"
+    assert [c["tag"] for c in body["claims"]] == ["a", "d"]
+    a, d = body["claims"]
+    assert {c["label"]: c["reference"] for c in a["comparisons"]} == {
+        "uncompressed, p = 0.1": None, "MAPL, p = 0.1": -1.5}     # skip - drop, references'
+    assert [c["reference"] for c in d["comparisons"]] == [0.5]  # MAPL - uncompressed
+    assert "the spec's references" in d["blog"] and "+1.5%" in d["blog"]
+    # the blog's by default: Table 1's skip values
+    plain = registry.post(f"{V1}/sweeps", json={"name": "blog"}).json()
+    for arm in ("mapl", "none"):
+        for p in (0.0, 0.1):
+            run = _create(registry, plain["id"], _config(p=p, seed=0, compression=arm))
+            _finish(registry, run["id"], "completed", 2.0 + p)
+    body = registry.get(f"{V1}/sweeps/{plain['id']}/claims").json()
+    assert body["references"] == "blog" and len(body["claims"]) == 5
+    [d] = [c for c in body["claims"] if c["tag"] == "d"]
+    assert d["comparisons"][0]["reference"] == pytest.approx(
+        stats.BLOG_SKIP[("mapl", 0.1)] - stats.BLOG_SKIP[("none", 0.1)])
+
+
+def test_a_stored_spec_with_malformed_references_gets_a_422_naming_them(registry):
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "bad-refs", "spec": {
+        "references": [{"arm": "mapl", "p": 2.0, "pct": 1.0}]}}).json()
+    response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+    assert response.status_code == 422
+    assert "spec.references[0].p" in response.text
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "bad-claims", "spec": {
+        "claims": ["f"]}}).json()
+    response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+    assert response.status_code == 422 and "spec.claims[0]" in response.text
+
+
 def _committed_study():
     spec = study.load_spec(ROOT / "studies" / "table1.toml")
     return spec, study.load_results(spec)

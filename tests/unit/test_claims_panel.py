@@ -41,3 +41,19 @@ def test_every_value_from_the_data_is_escaped():
     for raw in ("<script>", "<b>x", "<i>", "<u>", "<s>", "<m>", "<d>"):
         assert raw not in html, raw
     assert "&lt;script&gt;" in html and "&lt;b&gt;x&lt;/b&gt;" in html
+
+
+def test_the_panel_names_where_its_reference_values_come_from():
+    cells = {stats.CellKey("mapl", "skip", 0.1): {0: 0.5, 1: 0.7, 2: 0.6},
+             stats.CellKey("none", "skip", 0.1): {0: 0.4, 1: 0.5, 2: 0.7}}
+    blog = claims_panel(_claims(cells))
+    assert "reference values: the blog's Table 1" in blog
+    refs = {("mapl", "skip", 0.1): 2.0, ("none", "skip", 0.1): 1.25}
+    own = {**_claims(cells), "references": "spec",
+           "claims": stats.claims_to_dict(stats.evaluate_claims(cells, references=refs,
+                                                                only=["d"]),
+                                          target_half_width=0.5)}
+    html = claims_panel(own)
+    assert "reference values: the sweep spec" in html
+    assert 'data-claim="d"' in html and 'data-claim="a"' not in html
+    assert "<td class=num>+0.75</td>" in html           # MAPL - uncompressed, the spec's values

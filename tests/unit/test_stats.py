@@ -190,3 +190,47 @@ def test_a_precision_round_gives_a_labelled_cell_its_blocks_overrides():
     [base, cell] = extra_cells(spec, [(("mapl", "skip", 0.2, "decode_sender", 6), 1)], runs)
     assert base.id == "mapl-base-s1" and cell.id == "mapl-skip-p0.2-decode_sender-s1"
     assert "pipeline.bypass_decode=sender" in cell.overrides(spec)
+
+
+def test_claims_hold_each_comparison_against_the_references_given():
+    from crucible.stats import BLOG_REFERENCES, BLOG_SKIP, CellKey, evaluate_claims, paired_stat
+
+    cells = {CellKey(arm, strategy, p): {s: base + 0.1 * s for s in range(3)}
+             for arm, base in (("ssn", 0.4), ("mapl", 0.9), ("none", 0.7))
+             for strategy, p, base in (("skip", 0.1, base), ("skip", 0.2, base + 0.5),
+                                       ("drop", 0.1, base + 3), ("skip", 0.01, base / 4))}
+    blog = {claim.tag: claim for claim in evaluate_claims(cells)}
+    assert evaluate_claims(cells, references=BLOG_REFERENCES)[2].comparisons == \
+        blog["c"].comparisons                         # the default is the blog's, the same values
+    assert [c.reference for c in blog["c"].comparisons] == [
+        round(BLOG_SKIP[("ssn", p)] - BLOG_SKIP[(other, p)], 6)
+        for p in (0.1, 0.2) for other in ("mapl", "none")]
+    assert all(c.reference is None for c in blog["a"].comparisons + blog["e"].comparisons)
+    refs = {("ssn", "skip", 0.1): 1.0, ("ssn", "drop", 0.1): 4.0, ("mapl", "skip", 0.1): 0.25,
+            ("ssn", "skip", 0.01): 0.125}
+    own = {claim.tag: claim for claim in evaluate_claims(cells, references=refs)}
+    by_label = {c.label: c for claim in own.values() for c in claim.comparisons}
+    assert by_label["SSN, p = 0.1"].reference == -3.0                   # (a): skip - drop
+    assert by_label["SSN - MAPL, p = 0.1"].reference == 0.75            # (c)
+    assert by_label["SSN - uncompressed, p = 0.1"].reference is None    # no reference for none
+    assert by_label["SSN, skip, p = 0.01"].reference == 0.125           # (e)
+    assert by_label["SSN, skip"].reference is None    # (b): the references lack p = 0.01, 0.2
+    # the references change what the claims are held against, never the intervals or verdicts
+    assert by_label["SSN - MAPL, p = 0.1"].stat == paired_stat(
+        cells[CellKey("ssn", "skip", 0.1)], cells[CellKey("mapl", "skip", 0.1)])
+    assert {t: c.verdict for t, c in own.items()} == {t: c.verdict for t, c in blog.items()}
+    assert "the spec's references" in own["c"].blog and "+0.25%" in own["c"].blog
+    assert [c.tag for c in evaluate_claims(cells, only=["e", "a"])] == ["a", "e"]
+
+
+def test_a_slope_reference_needs_a_value_at_every_p_of_the_grid():
+    from crucible.stats import CellKey, evaluate_claims
+
+    cells = {CellKey("none", "skip", p): {s: 10 * p + 0.1 * s for s in range(3)}
+             for p in (0.1, 0.2, 0.3)}
+    refs = {("none", "skip", 0.1): 1.0, ("none", "skip", 0.2): 1.5, ("none", "skip", 0.3): 2.0}
+    [b] = evaluate_claims(cells, references=refs, only=["b"])
+    assert b.comparisons[0].reference == pytest.approx(0.5)           # per 0.1 of p
+    del refs[("none", "skip", 0.3)]
+    [b] = evaluate_claims(cells, references=refs, only=["b"])
+    assert b.comparisons[0].reference is None

@@ -561,3 +561,24 @@ def test_a_block_that_changes_nothing_is_refused(tmp_path: Path) -> None:
                                              'p = [0.1]\n[[grid]]\narms = ["mapl"]\n'
                                              'strategies = ["skip"]\np = [0.1]\n'
                                              'set = ["pipeline.bypass_decode=identity"]\n'))
+
+
+def test_a_studys_own_references_and_claims_reach_its_document(tmp_path: Path) -> None:
+    """`[[references]]` and `claims` in a study's TOML: the document decides only those claims,
+    against those values."""
+    text = ('name = "t"\npreset = "smoke"\nseeds = [0, 1, 2]\nclaims = ["c"]\n'
+            '[[grid]]\narms = ["ssn", "none"]\nstrategies = ["skip"]\np = [0, 0.1]\n'
+            '[[references]]\narm = "ssn"\np = 0.1\npct = 0.5\n'
+            '[[references]]\narm = "none"\np = 0.1\npct = 1.25\n')
+    spec = study.load_spec(write_spec(tmp_path, text))
+    fill(spec, {"ssn-skip-p0.1": [0.2, 0.4, 0.3], "none-skip-p0.1": [1.0, 1.1, 1.3]})
+    data = study.StudyData(spec, study.load_results(spec))
+    [claim] = data.claims()
+    assert claim.tag == "c" and [c.reference for c in claim.comparisons] == [-0.75]
+    document = study.render_markdown(data)
+    claims_section = document[document.index("## The blog's claims"):]
+    claims_section = claims_section[:claims_section.index("\n## ", 1)]
+    assert "| claim | reference |" in claims_section
+    assert "the spec's references: SSN skip at p = 0.1: +0.5%; uncompressed skip at p = " \
+           "0.1: +1.25%" in claims_section
+    assert "(c) SSN degrades least" in claims_section and "(a)" not in claims_section

@@ -1,6 +1,8 @@
 """SweepSpec: validation messages and grid expansion with shared baselines."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -238,3 +240,23 @@ def test_a_spec_this_machine_cannot_run_is_refused_naming_a_cell() -> None:
     first = spec.cells()[0].id
     with pytest.raises(ConfigError, match=rf"^cell {first}: train\.device=cuda but no CUDA"):
         check_spec_here(spec, memory_check=False)
+
+
+def test_references_and_claims_are_validated_and_no_part_of_the_identity() -> None:
+    refs = [{"arm": "ssn", "p": 0.1, "pct": 0.6}, {"arm": "ssn", "strategy": "drop", "p": 0.1,
+                                                  "pct": 3.4}]
+    spec = SweepSpec(**DEMO_SPEC, references=refs, claims=["a", "c"])
+    assert spec.reference_values() == {("ssn", "skip", 0.1): 0.6, ("ssn", "drop", 0.1): 3.4}
+    assert SweepSpec(**DEMO_SPEC).reference_values() is None            # the blog's
+    assert spec.identity() == SweepSpec(**DEMO_SPEC).identity()          # what runs is the same
+    again = SweepSpec.model_validate_json(spec.model_dump_json())         # as the form sends it
+    assert again.references == spec.references and again.claims == ["a", "c"]
+    for bad, needle in (([{"arm": "x", "p": 0.1, "pct": 1}], "references.0.arm"),
+                        ([{"arm": "ssn", "p": 0, "pct": 1}], "references.0.p"),
+                        ([{"arm": "ssn", "p": 0.1, "pct": 1, "seed": 2}], "references.0.seed"),
+                        (refs[:1] * 2, "two references for ssn/skip at p = 0.1")):
+        with pytest.raises(ValidationError, match=re.escape(needle)):
+            SweepSpec(**DEMO_SPEC, references=bad)
+    for bad, needle in ((["f"], "claims.0"), ([], "decides no claim"), (["a", "a"], "twice")):
+        with pytest.raises(ValidationError, match=re.escape(needle)):
+            SweepSpec(**DEMO_SPEC, claims=bad)
