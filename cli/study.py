@@ -14,21 +14,8 @@ from crucible.study.spec import FigureError, StudyError, completed_cells, load_s
 
 def for_run(spec: SweepSpec, *, jobs: int, seeds: list[int] | None = None) -> SweepSpec:
     """The spec as `study run` runs it: `jobs` cells at a time, and with `seeds` only those
-    seeds (of the spec's and of each block's; a block left with none of its own is dropped)."""
-    update: dict[str, Any] = {"max_concurrent_runs": jobs}
-    if seeds is not None:
-        chosen = set(seeds)
-        update["seeds"] = [s for s in spec.seeds if s in chosen] or [min(chosen)]
-        blocks = []
-        for block in spec.blocks:
-            if block.seeds is None:
-                if any(s in chosen for s in spec.seeds):
-                    blocks.append(block)
-            elif mine := [s for s in block.seeds if s in chosen]:
-                blocks.append(block.model_copy(update={"seeds": mine}))
-        if spec.grid is not None:
-            update["grid"] = blocks
-    return spec.model_copy(update=update)
+    seeds' cells (`run_seeds`: the study stays one sweep in its registry)."""
+    return spec.model_copy(update={"max_concurrent_runs": jobs, "run_seeds": seeds})
 
 
 def _parse_seeds(text: str | None, spec: SweepSpec) -> list[int] | None:
@@ -90,7 +77,7 @@ def register(app: Any) -> None:
                 check_spec_here(spec, memory_check=not skip_memory_check)
                 if not allow_mixed_cpus:
                     check_same_cpu(spec)
-            cells = expand_cells(spec)
+            cells = spec.runs_now()
             done, todo = completed_cells(spec, cells)
             adopted = adopt_results(spec, todo, write=not dry_run)
         except (StudyError, ConfigError) as exc:

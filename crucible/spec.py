@@ -62,7 +62,8 @@ BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode",)
 # read (its claims' margins and target), where a study keeps its files and how many cells run
 # at once are not what it runs
 ANNOTATIONS = ("tags", "notes", "title", "files", "close_margin", "equivalence_margin",
-               "target_half_width", "max_concurrent_runs", "references", "claims")
+               "target_half_width", "max_concurrent_runs", "references", "claims",
+               "run_seeds")
 # fields added after specs were first stored: left out of the identity while unset, so a sweep
 # stored by an earlier release is continued by its re-run
 _LATER_OPTIONAL = ("max_seeds", "grid")
@@ -294,6 +295,11 @@ class SweepSpec(BaseModel):
                     "target_half_width, widest first, up to this many seeds a cell. Empty = "
                     "run the listed seeds only. It stops on an interval's width, never on the "
                     "size or sign of an effect.")
+    run_seeds: list[int] | None = Field(
+        None, min_length=1,
+        description="Run only these of the spec's seeds now (their cells and baselines); the "
+                    "sweep stays the same sweep, and a run without it completes the grid. Empty "
+                    "= every seed. No precision round runs while it is set.")
     max_concurrent_runs: int = Field(
         2, ge=1, le=1024,
         description="Most cells in flight at once (each also waits for a GPU slot on its host).")
@@ -440,6 +446,18 @@ class SweepSpec(BaseModel):
         if value is not None and not value:
             raise ValueError("an empty list decides no claim; leave it out for all five")
         return None if value is None else _no_repeats(value, "a claim")
+
+    @model_validator(mode="after")
+    def _run_seeds_are_the_specs(self) -> SweepSpec:
+        unknown = sorted(set(self.run_seeds or ()) - set(self.all_seeds))
+        if unknown:
+            raise ValueError(f"run_seeds {unknown} are not among the spec's seeds "
+                             f"{list(self.all_seeds)}; choose from those")
+        return self
+
+    def runs_now(self) -> list[Cell]:
+        """The cells this run of the spec runs: every cell, or `run_seeds`' only."""
+        return self.cells(self.run_seeds)
 
     def reference_values(self) -> dict[tuple[str, str, float], float] | None:
         """The references as the claims take them, {(arm, strategy, p): pct}; None: the
@@ -705,12 +723,20 @@ def expand_cells(spec: SweepSpec, seeds: Iterable[int] | None = None) -> list[Ce
 
 
 # `make demo`: 2 codecs x 2 strategies x 2 failure rates + 2 baselines x 1 seed = 10 runs.
+# `make demo` (`crucible sweep --demo`) and the Prefect form's defaults: the first study's
+# preset (`study`, d_model 64) at half its replicas, the uncompressed arm, skip and drop at
+# p = 0.2 over 3 seeds: 9 runs of about 30 s on one core. The pilot of this setting (3 seeds,
+# docs/OPERATIONS.md "The demo") measured skip - drop at -10.8 points [-19.5, -2.0]: dropping
+# the tokens costs clearly more than skipping the stage, and 3 seeds resolve it (2 do not:
+# their t-interval is 3x as wide).
 DEMO_SPEC: dict[str, Any] = {
     "name": "demo",
-    "preset": "smoke",
-    "arms": ["ssn", "mapl"],
+    "preset": "study",
+    "arms": ["none"],
     "strategies": ["skip", "drop"],
-    "failure_probabilities": [0.1, 0.3],
-    "seeds": [0],
-    "max_concurrent_runs": 1,
+    "failure_probabilities": [0.2],
+    "seeds": [0, 1, 2],
+    "overrides": ["replicas=4"],
+    "duration": None,
+    "max_concurrent_runs": 2,
 }

@@ -57,7 +57,7 @@ RESULTS_POINTER = ("the study's numbers, with 95% intervals over seeds: docs/RES
 
 
 def _cell_text(cell: dict[str, Any] | None, p: float, floor: float | None) -> str:
-    """One cell of the demo's table: the interval when there is one; a one-seed value is
+    """One cell of the sweep's table: the interval when there is one; a one-seed value is
     marked against the noise floor the study measured (or as having no interval)."""
     if cell is None:
         return "-"
@@ -170,8 +170,9 @@ def sweep(
                                                      "A-Za-z0-9._:/+=-); also Prefect tag "
                                                      "tag:<t> of its flow runs"),
     note: str | None = typer.Option(None, "--note", help="free-text notes on the sweep"),
-    demo: bool = typer.Option(False, "--demo", help="the demo grid: 2 codecs x 2 strategies x "
-                                                    "2 failure rates + baselines, smoke preset"),
+    demo: bool = typer.Option(False, "--demo", help="the demo grid: skip and drop at p = 0.2 "
+                                                    "+ baselines, 3 seeds, the study's preset "
+                                                    "at 4 replicas (about 3 minutes)"),
     work_dir: Path = typer.Option(Path("crucible-work"), "--work-dir",
                                   help="registry, Prefect state, run folders and the report"),
     out: Path | None = typer.Option(None, "--out", help="report path (default in --work-dir)"),

@@ -374,7 +374,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     """
     logger = get_run_logger()
     settings = FlowSettings()
-    planned = _plan(spec, settings)
+    planned = _plan(spec, settings, spec.runs_now())
+    partial = len(planned) < len(spec.cells())         # `run_seeds`: the rest is still to run
     in_results = len(planned)
     planned = [item for item in planned if not _has_result(spec, item.cell)]
     in_results -= len(planned)
@@ -408,7 +409,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     if spec.files is not None:
         _keep_all(spec, todo, settings)
     rounds: list[dict[str, Any]] = []
-    if spec.max_seeds is not None and not any(r["status"] == "failed" for r in results):
+    if spec.max_seeds is not None and not partial \
+            and not any(r["status"] == "failed" for r in results):
         rounds = _precision_rounds(spec, sweep_id, planned, settings)
         results += [r for item in rounds for r in item.pop("results")]
     failed = [r for r in results if r["status"] == "failed"]
@@ -420,7 +422,9 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
                        len(owed), sweep_id, ", ".join(r["run_id"] for r in owed[:5]))
     rows = _publish(sweep_id, spec, settings)
     with make_client(settings) as client:
-        client.update_sweep(sweep_id, status="failed" if failed else "completed")
+        # with `run_seeds`, the grid's other cells are still to run: the sweep is not complete
+        client.update_sweep(sweep_id, status="failed" if failed else
+                            "pending" if partial else "completed")
     outcome = {"sweep_id": sweep_id,
                "runs": len(planned) + sum(item["runs"] for item in rounds),
                "completed": len(results) - len(failed) - len(owed) - len(cancelled),

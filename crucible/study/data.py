@@ -102,5 +102,5 @@ def noise_floor(spec_path: str | os.PathLike[str] | None = None) -> float | None
     try:
         spec = load_spec(spec_path or DEFAULT_SPEC)
         return noise_floor_of(StudyData(spec, load_results(spec)))[1]
-    except Exception:   # noqa: BLE001 - the demo must not fail because of the study's data
+    except Exception:   # noqa: BLE001 - a sweep must not fail because of the study's data
         return None

@@ -347,8 +347,8 @@ def _cannot_resolve(data: StudyData, resolvable: float | None, missing: int,
                        f"the paired differences is {statistics.median(diff_halves):.2f} points.")
         out.append(f"Noise floor of one seed: the median per-cell sd of the degradation is "
                    f"{sd_floor:.2f} points, so one seed's value lies within about "
-                   f"±{floor:.2f} points ({NOISE_FLOOR_Z:g} sd) of its cell's mean; the demo "
-                   "(`make demo`) quotes this figure for its one-seed cells.")
+                   f"±{floor:.2f} points ({NOISE_FLOOR_Z:g} sd) of its cell's mean; `crucible "
+                   "sweep` quotes this figure for a sweep's one-seed cells.")
         n_seeds = max(s.n for s in (data.stat(k) for k in data.grid()))
         out.append(f"Halving these widths takes about four times the seeds ({4 * n_seeds} "
                    f"instead of {n_seeds}).")

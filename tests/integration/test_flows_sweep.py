@@ -136,3 +136,19 @@ def test_a_study_grid_with_a_labelled_block_runs_as_one_sweep(prefect_harness: N
             / baseline["final_val_loss"]
         assert item["mean_pct"] == pytest.approx(expected)
     assert sorted(r["label"] for r in outcome["rows"]) == ["", "decode_sender"]
+
+
+def test_run_seeds_runs_part_of_the_grid_and_the_same_sweep_completes_it(
+        prefect_harness: None, flow_client: ApiClient) -> None:
+    """`run_seeds` (crucible study run --seeds): some seeds now, the rest later, one sweep."""
+    spec = _spec(name="tiny-seeds", arms=["ssn"], strategies=["skip"], seeds=[0, 1])
+    first = failure_sweep(spec.model_copy(update={"run_seeds": [1]}))
+    runs = flow_client.list_runs(sweep_id=first["sweep_id"])
+    assert first["runs"] == 2 and sorted((r["p"], r["seed"]) for r in runs) == [(0.0, 1), (0.5, 1)]
+    assert flow_client.get_sweep(first["sweep_id"])["status"] == "pending"   # seed 0 owed
+    second = failure_sweep(spec)
+    assert second["sweep_id"] == first["sweep_id"]
+    assert second["skipped"] == 2 and second["completed"] == 2     # seed 1 was run already
+    runs = flow_client.list_runs(sweep_id=first["sweep_id"])
+    assert sorted((r["p"], r["seed"]) for r in runs) == [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
+    assert flow_client.get_sweep(first["sweep_id"])["status"] == "completed"

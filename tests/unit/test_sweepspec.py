@@ -101,8 +101,14 @@ def test_schema_renders_dropdowns_and_descriptions() -> None:
 
 
 def test_demo_spec_is_the_advertised_grid() -> None:
-    cells = SweepSpec(**DEMO_SPEC).cells()
-    assert len(cells) == 2 * 2 * 2 + 2
+    """The study's preset at half its replicas: skip against drop at p = 0.2, 3 seeds (two
+    give a t-interval too wide for the effect), so the demo's claim (a) has an interval."""
+    spec = SweepSpec(**DEMO_SPEC)
+    cells = spec.cells()
+    assert len(cells) == 3 * (1 + 2)                 # each seed: the baseline, skip and drop
+    assert {c.id for c in cells if c.seed == 0} == {"none-base-s0", "none-skip-p0.2-s0",
+                                                    "none-drop-p0.2-s0"}
+    assert spec.preset == "study" and spec.duration is None and len(spec.seeds) >= 3
 
 
 def test_a_sweep_stored_before_claims_and_precision_keeps_its_identity():
@@ -260,3 +266,15 @@ def test_references_and_claims_are_validated_and_no_part_of_the_identity() -> No
     for bad, needle in ((["f"], "claims.0"), ([], "decides no claim"), (["a", "a"], "twice")):
         with pytest.raises(ValidationError, match=re.escape(needle)):
             SweepSpec(**DEMO_SPEC, claims=bad)
+
+
+def test_run_seeds_runs_some_seeds_of_the_same_sweep() -> None:
+    grid = [{"arms": ["ssn"], "strategies": ["skip"], "p": [0.1]},
+            {"arms": ["mapl"], "strategies": ["skip"], "p": [0.1], "seeds": [0, 5]}]
+    spec = SweepSpec(grid=grid, seeds=[0, 1])
+    part = spec.model_copy(update={"run_seeds": [5]})
+    assert part.identity() == spec.identity()                   # one sweep in the registry
+    assert [c.id for c in part.runs_now()] == ["mapl-base-s5", "mapl-skip-p0.1-s5"]
+    assert spec.runs_now() == spec.cells()
+    with pytest.raises(ValidationError, match=r"run_seeds \[7\] are not among the spec's seeds"):
+        SweepSpec(grid=grid, seeds=[0, 1], run_seeds=[1, 7])
