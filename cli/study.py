@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from crucible.spec import SweepSpec, expand_cells
+from crucible.cells import expand_cells
+from crucible.spec import SweepSpec
 from crucible.study.document import render
 from crucible.study.runner import adopt_results, check_same_cpu
 from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec

@@ -8,19 +8,16 @@ seeds, plus one p = 0 baseline per arm and seed. A plain sweep gives its one blo
 
 It is what the Prefect UI's "Run" form of the `failure-sweep` deployment shows, so every field
 has a description and a sensible default, and the enum-like fields (`preset`, `arms`,
-`strategies`) are `Literal`s so the form shows dropdowns. Validation errors name the field and
+`strategies`) are `Literal`s so the form shows dropdowns (over 500 lines for that reason: the
+descriptions and validators of some 30 fields are the form's help). Validation errors name the field and
 the fix. `crucible study` reads the same model from TOML (`crucible.study.spec.load_spec`),
 with the places its files go (`StudyFiles`).
 
-Cells (`expand_cells`) come with stable ids (`mapl-skip-p0.2-decode_sender-s1`: a study's result
-file names) and display labels (`mapl/skip/p=0.2/seed=1`: a sweep's run names), in run order:
-baselines, then the blog's core cells (skip/drop at p = 0.1 and 0.2), then the rest, seed-major
-within each tier, so a grid stopped early holds whole seeds. The p = 0 baseline does not depend
-on the mitigation strategy (nothing fails, so nothing is mitigated): it is one cell per
-(arm, seed), its strategy pinned to `BASELINE_STRATEGY`, so its resolved config, and therefore
-its fingerprint, is the same however the spec lists its strategies.
+Its cells (`SweepSpec.cells()`: ids, labels, run order, the shared p = 0 baselines) are
+`crucible.cells`'s.
 
-`tags`, `notes`, `title`, `files` and how the claims are read (margins, target) annotate a spec
+`tags`, `notes`, `title`, `files`, how the claims are read (margins, target, `references`,
+`claims`) and `run_seeds` annotate a spec
 without changing what it runs: they are left out of its `identity()`, so re-running a sweep
 with other tags continues it (and adds the tags).
 """
@@ -28,7 +25,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -41,10 +37,10 @@ from pydantic import (
     model_validator,
 )
 
+from crucible.cells import Cell, expand_cells
 from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
 
-__all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "Cell",
-           "GridKey", "expand_cells", "grid_keys", "ARMS", "STRATEGIES", "PRESET_NAMES",
+__all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "ARMS", "STRATEGIES", "PRESET_NAMES",
            "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
            "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS"]
 
@@ -569,160 +565,6 @@ def identity_of(stored: dict[str, Any]) -> dict[str, Any]:
             and not (k in _LATER_OPTIONAL and v is None)}
 
 
-# --------------------------------------------------------------------------------------------
-# Cells
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, order=True)
-class GridKey:
-    """A cell of the grid without its seed. p == 0 with strategy "base" is an arm's baseline."""
-
-    arm: str
-    strategy: str
-    p: float
-    label: str = ""
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.strategy == "base"
-
-    @property
-    def name(self) -> str:
-        if self.is_baseline:
-            return f"{self.arm}-base"
-        return f"{self.arm}-{self.strategy}-p{self.p:g}" + (f"-{self.label}" if self.label else "")
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One run of a spec: its grid key and seed, the block's overrides, and its run tier
-    (0 baselines, 1 the blog's core cells, 2 the rest)."""
-
-    key: GridKey
-    seed: int
-    sets: tuple[str, ...] = ()          # the block's baseline-neutral overrides
-    block: int | None = None            # grid block index; None for a baseline
-    tier: int = 0
-
-    @classmethod
-    def of(cls, arm: str, strategy: str | None, p: float, seed: int) -> Cell:
-        """An unlabelled cell (strategy None: the arm's p = 0 baseline)."""
-        if strategy is None or p == 0.0:
-            return cls(GridKey(arm, "base", 0.0), seed)
-        key = GridKey(arm, strategy, float(p))
-        return cls(key, seed, tier=_tier(key))
-
-    @property
-    def arm(self) -> str:
-        return self.key.arm
-
-    @property
-    def strategy(self) -> str | None:
-        """The mitigation strategy; None for a p = 0 baseline (it serves every strategy)."""
-        return None if self.key.is_baseline else self.key.strategy
-
-    @property
-    def p(self) -> float:
-        return self.key.p
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.key.is_baseline
-
-    @property
-    def baseline(self) -> Cell:
-        """The p = 0 cell this cell is compared against (itself for a baseline)."""
-        return Cell.of(self.arm, None, 0.0, self.seed)
-
-    @property
-    def id(self) -> str:
-        """The cell's stable id, a study's result file name: `mapl-skip-p0.2-s3`."""
-        return f"{self.key.name}-s{self.seed}"
-
-    @property
-    def label(self) -> str:
-        """The cell's display label, a sweep's run name: `mapl/skip/p=0.2/seed=3`."""
-        strategy = "baseline" if self.strategy is None else self.strategy
-        variant = f"/{self.key.label}" if self.key.label else ""
-        return f"{self.arm}/{strategy}/p={self.p:g}{variant}/seed={self.seed}"
-
-    def overrides(self, spec: SweepSpec) -> list[str]:
-        """`key.path=value` settings for this cell: the spec's extras first, the cell's last
-        (so a stray `faults.p=` in the extras cannot change which cell this is)."""
-        return [*spec.common_overrides(), *self.sets,
-                f"pipeline.compression={self.arm}", f"faults.p={self.p!r}",
-                f"faults.strategy={self.strategy or BASELINE_STRATEGY}", f"seed={self.seed}"]
-
-
-def _tier(key: GridKey) -> int:
-    from crucible.stats.claims import CLAIM_PS
-
-    if key.is_baseline:
-        return 0
-    core = key.strategy in ("skip", "drop") and key.p in CLAIM_PS and not key.label
-    return 1 if core else 2
-
-
-def _key_order(key: GridKey) -> tuple[Any, ...]:
-    arm = ARMS.index(key.arm) if key.arm in ARMS else len(ARMS)
-    strategy = STRATEGIES.index(key.strategy) if key.strategy in STRATEGIES else -1
-    return (not key.is_baseline, arm, key.label, strategy, key.p)
-
-
-def grid_keys(spec: SweepSpec) -> list[GridKey]:
-    """Every cell of the spec without seeds, baselines first, in a stable order."""
-    return sorted({c.key for c in expand_cells(spec)}, key=_key_order)
-
-
-def expand_cells(spec: SweepSpec, seeds: Iterable[int] | None = None) -> list[Cell]:
-    """The spec's cells in run order: baselines (one per arm and seed), then the blog's core
-    cells (skip/drop at p = 0.1 and 0.2) for every seed, then the rest; seed-major within a
-    tier so that an interrupted grid has whole seeds. Seeds that only some blocks add (a
-    block's `seeds` beyond the spec's) come after all of that, in the same order among
-    themselves. p = 0 in a block means the shared baseline. Raises ValueError when two blocks
-    give one cell different overrides."""
-    wanted = None if seeds is None else set(seeds)
-    chosen = tuple(s for s in spec.all_seeds if wanted is None or s in wanted)
-    blocks = spec.blocks
-
-    def of(block: GridBlock) -> list[int]:
-        return [s for s in (block.seeds or spec.seeds) if s in chosen]
-
-    cells: dict[str, Cell] = {}
-
-    def add(cell: Cell) -> None:
-        old = cells.get(cell.id)
-        if old is not None and old.sets != cell.sets:
-            raise ValueError(f"grid[{cell.block}]: cell {cell.id} is also made by "
-                             f"grid[{old.block}] with other overrides; give one block a "
-                             "distinct `label`")
-        cells.setdefault(cell.id, cell)
-
-    arms = [a for a in ARMS if any(a in b.arms for b in blocks)]
-    # an arm's baselines: every seed that one of its blocks runs
-    arm_seeds = {a: {s for b in blocks if a in b.arms for s in of(b)} for a in arms}
-    for seed in chosen:
-        for arm in arms:
-            if seed in arm_seeds[arm]:
-                add(Cell(GridKey(arm, "base", 0.0), seed))
-    for index, block in enumerate(blocks):
-        for arm in block.arms:
-            for strategy in block.strategies:
-                for p in block.p:
-                    if p == 0.0:
-                        continue
-                    key = GridKey(arm, strategy, p, block.label)
-                    for seed in of(block):
-                        add(Cell(key, seed, tuple(block.overrides), index, _tier(key)))
-    order = {s: i for i, s in enumerate(chosen)}
-    # the spec's own seeds first (every cell), then the seeds only some blocks add: a grid
-    # stopped early holds whole seeds of the whole grid, not the extra seeds' baselines alone
-    extra = {s: int(s not in spec.seeds) for s in chosen}
-    return sorted(cells.values(),
-                  key=lambda c: (extra[c.seed], c.tier, order[c.seed], _key_order(c.key)))
-
-
-# `make demo`: 2 codecs x 2 strategies x 2 failure rates + 2 baselines x 1 seed = 10 runs.
 # `make demo` (`crucible sweep --demo`) and the Prefect form's defaults: the first study's
 # preset (`study`, d_model 64) at half its replicas, the uncompressed arm, skip and drop at
 # p = 0.2 over 3 seeds: 9 runs of about 30 s on one core. The pilot of this setting (3 seeds,

@@ -34,7 +34,6 @@ flow runs on this host are released at once (see `flows.run_flow.end_flow_runs`)
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +51,18 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
+from crucible.cells import Cell, extra_cells
 from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry.client import ApiError, ApiUnavailable
-from crucible.spec import Cell, SweepSpec, identity_of
+from crucible.spec import SweepSpec, identity_of
 from crucible.stats import claim_rows, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
+from flows.study_results import has_result, keep_all, keep_study_result, keeper
 
 __all__ = ["failure_sweep", "find_sweep", "extra_cells", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
            "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
@@ -104,41 +105,6 @@ def _plan(spec: SweepSpec, settings: FlowSettings,
     except ValueError as exc:
         raise ConfigError(f"spec.{exc}") from None
     return planned
-
-
-def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, str, int], int]],
-                runs: list[dict[str, Any]]) -> list[Cell]:
-    """The cells a precision round adds (`crucible.stats.seeds_wanted`): for each wide cell
-    as many of the lowest seeds it has no run of as it wants added, widest cell first (a
-    labelled cell with its block's overrides); and the p = 0 baseline of each new (arm, seed)
-    that has none yet, ahead of them."""
-    have: dict[tuple[str, str, float, str], set[int]] = {}
-    bases: set[tuple[str, int]] = set()
-    for run in runs:
-        if float(run["p"]) == 0.0:
-            bases.add((run["compression"], int(run["seed"])))
-        else:
-            have.setdefault((run["compression"], run["strategy"], float(run["p"]),
-                             run.get("label") or ""), set()).add(int(run["seed"]))
-    templates = {(c.arm, c.key.strategy, c.p, c.key.label): c for c in spec.cells()
-                 if not c.is_baseline}
-    added: list[Cell] = []
-    baselines: list[Cell] = []
-    for (arm, strategy, p, label, _duration), count in wanted:
-        seeds = have.setdefault((arm, strategy, p, label), set())
-        template = templates.get((arm, strategy, p, label))
-        seed, new = 0, 0
-        while new < count:
-            if seed not in seeds:
-                seeds.add(seed)
-                new += 1
-                added.append(Cell.of(arm, strategy, p, seed) if template is None else
-                             dataclasses.replace(template, seed=seed))
-                if (arm, seed) not in bases:
-                    bases.add((arm, seed))
-                    baselines.append(Cell.of(arm, None, 0.0, seed))
-            seed += 1
-    return baselines + added
 
 
 def _items(result: Any) -> list[dict[str, Any]]:
@@ -377,14 +343,14 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     planned = _plan(spec, settings, spec.runs_now())
     partial = len(planned) < len(spec.cells())         # `run_seeds`: the rest is still to run
     in_results = len(planned)
-    planned = [item for item in planned if not _has_result(spec, item.cell)]
+    planned = [item for item in planned if not has_result(spec, item.cell)]
     in_results -= len(planned)
     drain_spools(settings)     # runs completed by this replay are skipped below
     sweep_id, records = register_sweep(spec, planned, settings)
     for item in planned:
         item.run_id, item.done = records[item.fingerprint]
         if item.done:
-            _keep_study_result(spec, item, settings)
+            keep_study_result(spec, item, settings)
     todo = [item for item in planned if not item.done]
     skipped = len(planned) - len(todo)
     logger.info("sweep %s: %d cells, %d already completed", sweep_id, len(planned), skipped)
@@ -396,7 +362,7 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
         key=_artifact_key(sweep_id, "progress"),
         description=f"Cells of sweep {spec.name} finished ({len(planned)} in all)")
     finished = [skipped]
-    keep = _keeper(spec, {item.run_id: item for item in planned}, settings)
+    keep = keeper(spec, {item.run_id: item for item in planned}, settings)
 
     def on_done(result: dict[str, Any]) -> None:
         finished[0] += 1
@@ -407,7 +373,7 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     drain_spools(settings)     # cells that ended owing records may be complete now
     results = _registry_status(results, settings)
     if spec.files is not None:
-        _keep_all(spec, todo, settings)
+        keep_all(spec, todo, settings)
     rounds: list[dict[str, Any]] = []
     if spec.max_seeds is not None and not partial \
             and not any(r["status"] == "failed" for r in results):
@@ -459,12 +425,12 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         _, records = register_sweep(spec, known, settings)
         for item in extra:
             item.run_id, item.done = records[item.fingerprint]
-        todo = [item for item in extra if not item.done and not _has_result(spec, item.cell)]
+        todo = [item for item in extra if not item.done and not has_result(spec, item.cell)]
         logger.info("sweep %s, precision round %d: %d cell(s) above ±%g points get seeds; "
                     "%d run(s)", sweep_id, number, len(wanted), spec.target_half_width,
                     len(todo))
         results = _run_cells(spec, sweep_id, todo, settings,
-                             _keeper(spec, {item.run_id: item for item in extra}, settings))
+                             keeper(spec, {item.run_id: item for item in extra}, settings))
         drain_spools(settings)
         results = _registry_status(results, settings)
         rounds.append({"round": number, "cells": len(wanted), "runs": len(extra),
@@ -472,55 +438,6 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         if not todo or any(r["status"] != "completed" for r in results):
             break
     return rounds
-
-
-def _keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
-            settings: FlowSettings) -> Any:
-    """An `on_done` for `_run_cells` that keeps each completed cell's study result."""
-    def keep(result: dict[str, Any]) -> None:
-        if result["status"] == "completed" and result["run_id"] in by_run:
-            _keep_study_result(spec, by_run[result["run_id"]], settings)
-    return keep
-
-
-def _keep_all(spec: SweepSpec, items: list[_Planned], settings: FlowSettings) -> None:
-    """Keep the result of every completed cell of `items` that has no file yet (a run that a
-    spool replay completed after its cell ended)."""
-    for item in items:
-        _keep_study_result(spec, item, settings)
-
-
-def _has_result(spec: SweepSpec, cell: Cell) -> bool:
-    """A study's cell whose result file exists (never for a plain sweep)."""
-    if spec.files is None:
-        return False
-    from crucible.study.spec import result_path
-
-    return result_path(spec, cell).is_file()
-
-
-def _keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) -> None:
-    """A study's completed cell: its run's summary, from the registry (checked against the
-    cell, as `crucible study render` will read it), kept as the cell's result file. A run that
-    still owes records is not complete yet: its file is written by the run that finds it
-    completed. Nothing for a plain sweep, or when the file exists."""
-    if spec.files is None or item.run_id is None or _has_result(spec, item.cell):
-        return
-    from crucible.study.runner import check_result, keep_result
-    from crucible.study.spec import StudyError, result_path
-
-    with make_client(settings) as client:
-        run = client.get_run(item.run_id)
-    if run.get("status") != "completed" or not run.get("summary"):
-        return
-    summary = {"config": run["config"], **run["summary"]}
-    try:
-        check_result(summary, item.cell, result_path(spec, item.cell))
-        keep_result(spec, item.cell, summary, jobs=spec.max_concurrent_runs)
-    except (OSError, StudyError) as exc:   # the run stays in the registry; the sweep goes on
-        get_run_logger().error("cell %s: its result file was not written (%s); the next "
-                               "`crucible study run` writes it from the registry",
-                               item.cell.id, exc)
 
 
 def _registry_status(results: list[dict[str, Any]],

@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from crucible.cells import GridKey, expand_cells
 from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import GridKey, SweepSpec, expand_cells
+from crucible.spec import SweepSpec
 from crucible.stats import (
     BLOG_DROP,
     BLOG_SKIP,

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from crucible.cells import GridKey
 from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import GridKey, SweepSpec
+from crucible.spec import SweepSpec
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
 from crucible.study.data import StudyData
 from crucible.study.spec import FigureError

@@ -43,7 +43,7 @@ class PilotRow:
 
 def _grid_cells_per_arm(spec: Any) -> dict[str, int]:
     """Failure cells per arm in `spec`'s grid (its baselines add one per seed)."""
-    from crucible.spec import grid_keys
+    from crucible.cells import grid_keys
 
     counts: dict[str, int] = {}
     for key in grid_keys(spec):

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from crucible.spec import Cell, SweepSpec
+from crucible.cells import Cell
+from crucible.spec import SweepSpec
 from crucible.study.spec import StudyError, load_spec, result_cells, result_path
 from crucible.summary import write_json_atomic
 

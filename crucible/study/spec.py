@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from crucible.spec import Cell, StudyFiles, SweepSpec
+from crucible.cells import Cell
+from crucible.spec import StudyFiles, SweepSpec
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "studies" / "table1.toml"
 

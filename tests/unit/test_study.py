@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 
 from cli.study import register
 from crucible import stats, study
+from crucible.cells import Cell, GridKey, expand_cells
 from crucible.config import apply_overrides
 from crucible.presets import get_preset
-from crucible.spec import Cell, GridKey, SweepSpec, expand_cells
+from crucible.spec import SweepSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from cli.main import main; main()"]

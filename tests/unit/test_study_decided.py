@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from crucible import stats, study
+from crucible.cells import GridKey, expand_cells
 from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import GridKey, SweepSpec, expand_cells
+from crucible.spec import SweepSpec
 from crucible.stats import t_quantile
 from tests.unit.test_study import fake_summary, fill, write_spec
 

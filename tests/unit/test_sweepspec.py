@@ -6,7 +6,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from crucible.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec, expand_cells
+from crucible.cells import expand_cells
+from crucible.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec
 
 
 def _error(**kwargs: object) -> str:

@@ -1,6 +1,7 @@
 """The deployments render SweepSpec as a usable Prefect UI form."""
 from __future__ import annotations
 
+from crucible.spec import DEMO_SPEC
 from flows.deploy import build_deployments
 
 
@@ -22,6 +23,6 @@ def test_both_deployments_and_the_sweep_form() -> None:
     assert props["arms"]["items"]["enum"] == ["none", "ssn", "mapl"]
     assert props["strategies"]["items"]["enum"] == ["skip", "drop", "drop_extend", "reroute"]
     assert all(p.get("description") for p in props.values())
-    assert sweep.parameters["spec"]["arms"] == ["ssn", "mapl"]      # pre-filled demo grid
+    assert sweep.parameters["spec"] == DEMO_SPEC                   # pre-filled demo grid
     train = deployments["train-run"]._parameter_openapi_schema.model_dump()
     assert {"preset", "overrides", "sweep_id", "store_url"} <= set(train["properties"])
