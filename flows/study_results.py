@@ -17,7 +17,7 @@ from flows.settings import FlowSettings
 if TYPE_CHECKING:
     from flows.sweep_flow import _Planned
 
-__all__ = ["has_result", "keep_study_result", "keeper", "keep_all"]
+__all__ = ["has_result", "keep_study_result", "keeper", "keep_all", "with_result_files"]
 
 
 def keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
@@ -67,3 +67,32 @@ def keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) -
         get_run_logger().error("cell %s: its result file was not written (%s); the next "
                                "`crucible study run` writes it from the registry",
                                item.cell.id, exc)
+
+
+def _cell_of(run: dict[str, Any]) -> tuple[Any, ...]:
+    baseline = float(run["p"]) == 0.0
+    return (run["compression"], None if baseline else run["strategy"], float(run["p"]),
+            run.get("label") or "", int(run["seed"]), run.get("duration"))
+
+
+def with_result_files(spec: SweepSpec, runs: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A study's precision round reads its cells' widths from every seed it has: the sweep's
+    registry runs plus the result files the registry lacks (runs of an earlier sitting whose
+    registry is gone, a fresh clone, the committed results). None when there is no such file
+    (a plain sweep; a study whose files all have runs here): the registry alone is the data."""
+    if spec.files is None:
+        return None
+    from crucible.study.data import _row
+    from crucible.study.runner import load_results
+    from crucible.study.spec import result_cells
+
+    results = load_results(spec)
+    have = {_cell_of(run) for run in runs}
+    files = [row for cell in result_cells(spec) if cell.id in results
+             for row in [_row(cell.key, cell.seed, results[cell.id])]
+             if _cell_of(row) not in have]
+    if not files:
+        return None
+    # a run still owing records is no finished data point yet (as the registry reads it)
+    registry = [{**run, "status": "running"} if run.get("owed_records") else run for run in runs]
+    return registry + files

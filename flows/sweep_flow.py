@@ -56,13 +56,19 @@ from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry.client import ApiError, ApiUnavailable
 from crucible.spec import SweepSpec, identity_of
-from crucible.stats import claim_rows, seeds_wanted
+from crucible.stats import claim_rows, robustness, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
-from flows.study_results import has_result, keep_all, keep_study_result, keeper
+from flows.study_results import (
+    has_result,
+    keep_all,
+    keep_study_result,
+    keeper,
+    with_result_files,
+)
 
 __all__ = ["failure_sweep", "find_sweep", "extra_cells", "TRAIN_RUN_DEPLOYMENT", "robustness_rows",
            "ROBUSTNESS_COLUMNS", "cell_run_name", "cell_tags"]
@@ -416,6 +422,9 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         with make_client(settings) as client:
             items = client.robustness(sweep_id)["items"]
             runs = _items(client.list_runs(sweep_id=sweep_id))
+        merged = with_result_files(spec, runs)     # a study's seeds kept only as files count
+        if merged is not None:
+            runs, items = merged, robustness(merged)["items"]
         wanted = seeds_wanted(items, target=spec.target_half_width, max_seeds=spec.max_seeds)
         cells = extra_cells(spec, wanted, runs)
         if not cells:

@@ -583,3 +583,32 @@ def test_a_studys_own_references_and_claims_reach_its_document(tmp_path: Path) -
     assert "the spec's references: SSN skip at p = 0.1: +0.5%; uncompressed skip at p = " \
            "0.1: +1.25%" in claims_section
     assert "(c) SSN degrades least" in claims_section and "(a)" not in claims_section
+
+
+def test_a_precision_round_counts_the_seeds_kept_only_as_result_files(tmp_path: Path) -> None:
+    """A study's registry can be gone (a fresh clone, another sitting): its precision round
+    reads the widths from the result files too, and adds seeds that have no file, never those
+    that have one."""
+    from crucible.cells import extra_cells
+    from flows.study_results import with_result_files
+
+    spec = study.load_spec(write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0, 1]\n'
+                                                'max_seeds = 4\ntarget_half_width = 0.5\n'
+                                                '[[grid]]\narms = ["ssn"]\n'
+                                                'strategies = ["skip"]\np = [0.1]\n'))
+    fill(spec, {"ssn-skip-p0.1": [0.5, 2.5]})               # 2 seeds, a wide interval
+    assert with_result_files(spec.model_copy(update={"files": None}), []) is None   # plain sweep
+    rows = with_result_files(spec, [])                       # nothing in the registry
+    assert sorted((r["p"], r["seed"]) for r in rows) == [(0.0, 0), (0.0, 1), (0.1, 0), (0.1, 1)]
+    items = stats.robustness(rows)["items"]
+    wanted = stats.seeds_wanted(items, target=0.5, max_seeds=4)
+    assert [key[:4] for key, _ in wanted] == [("ssn", "skip", 0.1, "")]
+    cells = extra_cells(spec, wanted, rows)
+    assert {c.seed for c in cells} == {2, 3} and all(c.seed > 1 for c in cells)
+    # a registry run of a cell that also has a file is the registry's: not counted twice
+    registry = [{**rows[0], "id": "r0", "strategy": None, "label": None}]
+    merged = with_result_files(spec, registry)
+    assert len(merged) == 4 and merged[0]["id"] == "r0"
+    assert with_result_files(spec, [{**r, "id": f"r{i}", "label": None,
+                                     "strategy": None if r["p"] == 0 else r["strategy"]}
+                                    for i, r in enumerate(rows)]) is None   # all in the registry
