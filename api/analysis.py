@@ -64,12 +64,12 @@ def sweep_claims(session: Session, *, sweep_id: uuid.UUID,
 
 
 def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[str] | None]:
-    """The stored spec's `references` and `claims` (crucible.spec.SweepSpec's fields), each
-    validated as the spec model validates it; unset: the blog's, all five. A stored value the
+    """The stored spec's `references` and `claims`, each validated by the spec model's own
+    field type (crucible.spec.References, Claims); unset: the blog's, all five. A stored value the
     model refuses is a 422 naming it (a sweep registered by hand with a malformed spec)."""
     from pydantic import TypeAdapter, ValidationError
 
-    from crucible.spec import ClaimTag, Reference
+    from crucible.spec import Claims, References
 
     def valid(name: str, kind: Any) -> Any:
         value = spec.get(name)
@@ -85,8 +85,8 @@ def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[
                                     "register the sweep again with a valid spec",
                                     field=f"spec.{name}") from None
 
-    refs = valid("references", list[Reference])
-    only = valid("claims", list[ClaimTag])
+    refs = valid("references", References)
+    only = valid("claims", Claims)
     return (None if refs is None else {(r.arm, r.strategy, r.p): r.pct for r in refs},
             None if only is None else list(only))
 

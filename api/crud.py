@@ -217,6 +217,10 @@ def update_sweep(session: Session, *, sweep_id: uuid.UUID, changes: dict[str, An
     sweep = session.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
     if sweep is None:
         raise NotFoundError(f"sweep {sweep_id} does not exist", field="sweep_id")
+    changes = dict(changes)
+    annotations = changes.pop("spec_annotations", None)
+    if annotations:       # a new dict: the JSON column sees the change
+        sweep.spec = {**(sweep.spec or {}), **annotations}
     _apply_changes(sweep, changes)
     session.commit()
     return sweep

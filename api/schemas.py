@@ -38,6 +38,7 @@ from pydantic import (
     Strict,
     TypeAdapter,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic_core import core_schema
@@ -260,6 +261,23 @@ class SweepCreate(BaseModel):
 class SweepUpdate(_TagEdits):
     status: SweepStatus | None = None
     prefect_flow_run_id: Text(64) | None = None  # type: ignore[valid-type]
+    spec_annotations: JsonObject | None = Field(
+        None, description="keys of the stored spec that annotate it without changing what it "
+                          "runs (crucible.spec.ANNOTATIONS: margins, target_half_width, "
+                          "references, claims, title, ...), merged into the stored spec; any "
+                          "other key is refused (it would make it another sweep)")
+
+    @field_validator("spec_annotations")
+    @classmethod
+    def _annotations_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from crucible.spec import ANNOTATIONS
+
+        other = sorted(set(value or {}) - set(ANNOTATIONS))
+        if other:
+            raise ValueError(f"{other[0]!r} is not an annotation of a spec (those are "
+                             f"{', '.join(ANNOTATIONS)}); a spec that runs other cells is "
+                             "another sweep")
+        return value
 
 
 class SweepPublic(BaseModel):

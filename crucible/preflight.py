@@ -73,14 +73,15 @@ def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimat
 
 
 def check_spec_here(spec: SweepSpec, *, memory_check: bool = True) -> None:
-    """`check_machine` for every distinct configuration of a sweep's or study's cells (the
+    """`check_machine` for every distinct configuration of the cells a sweep or study runs now
+    (`SweepSpec.runs_now`; the
     seed aside: it changes neither the device nor the memory), before any of them starts; each
     run checks again for itself. Raises ConfigError naming the cell."""
     from crucible.config import apply_overrides
     from crucible.presets import get_preset
 
     base, seen = get_preset(spec.preset), set()
-    for cell in spec.cells():
+    for cell in spec.runs_now():
         config = apply_overrides(base, [o for o in cell.overrides(spec)
                                         if not o.startswith("seed=")])
         key = config.to_json()

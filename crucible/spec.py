@@ -26,9 +26,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -42,7 +43,8 @@ from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Str
 
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "ARMS", "STRATEGIES", "PRESET_NAMES",
            "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
-           "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS"]
+           "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS", "References",
+           "Claims", "check_references", "check_claims"]
 
 Arm = Compression
 StrategyName = Strategy
@@ -236,6 +238,33 @@ class Reference(BaseModel):
                        description="Degradation, 100 (L - L0) / L0 of the final validation loss.")
 
 
+def check_references(value: list[Reference]) -> list[Reference]:
+    """References as a spec takes them: at least one, each (arm, strategy, p) once."""
+    if not value:
+        raise ValueError("an empty list gives no reference value; leave it out for the blog's "
+                         "Table 1")
+    seen: set[tuple[str, str, float]] = set()
+    for ref in value:
+        key = (ref.arm, ref.strategy, ref.p)
+        if key in seen:
+            raise ValueError(f"two references for {ref.arm}/{ref.strategy} at p = {ref.p:g}; "
+                             "give each (arm, strategy, p) once")
+        seen.add(key)
+    return value
+
+
+def check_claims(value: list[str]) -> list[str]:
+    """Claims as a spec takes them: at least one tag, each once."""
+    if not value:
+        raise ValueError("an empty list decides no claim; leave it out for all five")
+    return _no_repeats(value, "a claim")
+
+
+# the field types of `references` and `claims`, also how the registry validates a stored spec
+References = Annotated[list[Reference], AfterValidator(check_references)]
+Claims = Annotated[list[ClaimTag], AfterValidator(check_claims)]
+
+
 class SweepSpec(BaseModel):
     """A failure-rate sweep or study: every cell of its grid (each arm x strategy x failure
     probability x seed of each block), plus one p = 0 baseline per arm and seed."""
@@ -295,7 +324,8 @@ class SweepSpec(BaseModel):
         None, min_length=1,
         description="Run only these of the spec's seeds now (their cells and baselines); the "
                     "sweep stays the same sweep, and a run without it completes the grid. Empty "
-                    "= every seed. No precision round runs while it is set.")
+                    "= every seed. No precision round runs while cells of other seeds are "
+                    "still to run.")
     max_concurrent_runs: int = Field(
         2, ge=1, le=1024,
         description="Most cells in flight at once (each also waits for a GPU slot on its host).")
@@ -325,11 +355,11 @@ class SweepSpec(BaseModel):
         description="The 95% half-width, in points, a cell's interval should reach; the "
                     "Claims panel shows each comparison's width against it and the seeds "
                     "its measured sd says it needs.")
-    references: list[Reference] | None = Field(
+    references: References | None = Field(
         None, description="Published degradations the claims compare with, each {arm, "
                           "strategy, p, pct}. Empty = the blog's Table 1 (skip at p = 0.1 and "
                           "0.2 for the three arms).")
-    claims: list[ClaimTag] | None = Field(
+    claims: Claims | None = Field(
         None, description="The claims this sweep decides, of (a) skip costs less than drop, "
                           "(b) degradation grows with p, (c) SSN degrades least, (d) MAPL is "
                           "close to uncompressed, (e) at p = 0.01 the loss stays close to its "
@@ -424,25 +454,6 @@ class SweepSpec(BaseModel):
         return self
 
     # -- the grid --------------------------------------------------------------------------------
-    @field_validator("references")
-    @classmethod
-    def _one_reference_a_cell(cls, value: list[Reference] | None) -> list[Reference] | None:
-        seen: set[tuple[str, str, float]] = set()
-        for ref in value or ():
-            key = (ref.arm, ref.strategy, ref.p)
-            if key in seen:
-                raise ValueError(f"two references for {ref.arm}/{ref.strategy} at p = {ref.p:g}; "
-                                 "give each (arm, strategy, p) once")
-            seen.add(key)
-        return value
-
-    @field_validator("claims")
-    @classmethod
-    def _claims_once(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and not value:
-            raise ValueError("an empty list decides no claim; leave it out for all five")
-        return None if value is None else _no_repeats(value, "a claim")
-
     @model_validator(mode="after")
     def _run_seeds_are_the_specs(self) -> SweepSpec:
         unknown = sorted(set(self.run_seeds or ()) - set(self.all_seeds))

@@ -34,13 +34,17 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 
 def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
-    """Build the SweepSpec (the demo grid when `demo`, options given explicitly win)."""
+    """Build the SweepSpec (the demo grid when `demo`, options given explicitly win; `--set`
+    adds to the demo's own overrides, after them)."""
     from pydantic import ValidationError
 
     from crucible.spec import DEMO_SPEC, SweepSpec
 
     data = dict(DEMO_SPEC) if demo else {}
-    data.update({key: value for key, value in values.items() if value not in (None, [])})
+    given = {key: value for key, value in values.items() if value not in (None, [])}
+    if "overrides" in given:
+        given["overrides"] = [*data.get("overrides", []), *given["overrides"]]
+    data.update(given)
     try:
         return SweepSpec(**data)
     except ValidationError as exc:

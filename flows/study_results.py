@@ -82,12 +82,14 @@ def with_result_files(spec: SweepSpec, runs: list[dict[str, Any]]) -> list[dict[
     (a plain sweep; a study whose files all have runs here): the registry alone is the data."""
     if spec.files is None:
         return None
+    from crucible.stats import usable
     from crucible.study.data import _row
     from crucible.study.runner import load_results
     from crucible.study.spec import result_cells
 
     results = load_results(spec)
-    have = {_cell_of(run) for run in runs}
+    # a failed, cancelled or unfinished registry run of a cell does not hide the cell's file
+    have = {_cell_of(run) for run in runs if usable(run) and not run.get("owed_records")}
     files = [row for cell in result_cells(spec) if cell.id in results
              for row in [_row(cell.key, cell.seed, results[cell.id])]
              if _cell_of(row) not in have]

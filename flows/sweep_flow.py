@@ -55,8 +55,8 @@ from crucible.cells import Cell, extra_cells
 from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry.client import ApiError, ApiUnavailable
-from crucible.spec import SweepSpec, identity_of
-from crucible.stats import claim_rows, robustness, seeds_wanted
+from crucible.spec import ANNOTATIONS, SweepSpec, identity_of
+from crucible.stats import claim_rows, robustness, seeds_wanted, usable
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
@@ -135,13 +135,17 @@ def _register(client: Any, spec: SweepSpec,
               planned: list[_Planned]) -> tuple[str, dict[str, tuple[str, bool]]]:
     tags = list(spec.tags)
     sweep_id = find_sweep(client, spec.name, spec.identity())
+    stored = spec.model_dump(mode="json")
     if sweep_id is None:
-        sweep_id = str(client.create_sweep(spec.name, spec.model_dump(mode="json"),
-                                           tags=tags, notes=spec.notes)["id"])
+        sweep_id = str(client.create_sweep(spec.name, stored, tags=tags,
+                                           notes=spec.notes)["id"])
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
-    # a re-run continues the sweep: its tags are added, its notes (if any) replace the old ones
+    # a re-run continues the sweep: its tags are added, its notes (if any) replace the old ones,
+    # and what the claims read (margins, target, references, claims) is this run's
     annotations = {**({"add_tags": tags} if tags else {}),
-                   **({"notes": spec.notes} if spec.notes else {})}
+                   **({"notes": spec.notes} if spec.notes else {}),
+                   "spec_annotations": {k: stored[k] for k in ANNOTATIONS
+                                        if k in stored and k not in ("tags", "notes")}}
     client.update_sweep(sweep_id, status="running", prefect_flow_run_id=flow_run_id,
                         **annotations)
     version = code_version()
@@ -347,7 +351,6 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     logger = get_run_logger()
     settings = FlowSettings()
     planned = _plan(spec, settings, spec.runs_now())
-    partial = len(planned) < len(spec.cells())         # `run_seeds`: the rest is still to run
     in_results = len(planned)
     planned = [item for item in planned if not has_result(spec, item.cell)]
     in_results -= len(planned)
@@ -381,6 +384,8 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     if spec.files is not None:
         keep_all(spec, todo, settings)
     rounds: list[dict[str, Any]] = []
+    # `run_seeds`: the grid's other cells may still be to run; then no round, and no "completed"
+    partial = spec.run_seeds is not None and _cells_left(spec, sweep_id, settings) > 0
     if spec.max_seeds is not None and not partial \
             and not any(r["status"] == "failed" for r in results):
         rounds = _precision_rounds(spec, sweep_id, planned, settings)
@@ -447,6 +452,19 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
         if not todo or any(r["status"] != "completed" for r in results):
             break
     return rounds
+
+
+def _cells_left(spec: SweepSpec, sweep_id: str, settings: FlowSettings) -> int:
+    """Cells of the whole grid with neither a usable run in the sweep (nothing owed) nor a
+    result file."""
+    with make_client(settings) as client:
+        runs = _items(client.list_runs(sweep_id=sweep_id))
+    done = {(run["compression"], run["strategy"] if float(run["p"]) else None, float(run["p"]),
+             run.get("label") or "", int(run["seed"]))
+            for run in runs if usable(run) and not run.get("owed_records")}
+    return sum(1 for c in spec.cells()
+               if (c.arm, c.strategy, c.p, c.key.label, c.seed) not in done
+               and not has_result(spec, c))
 
 
 def _registry_status(results: list[dict[str, Any]],

@@ -135,7 +135,8 @@ class ApiClient:
 
     def update_sweep(self, sweep_id: str, **changes: Any) -> dict[str, Any]:
         """PATCH a sweep: status=, prefect_flow_run_id=, tags= (replaces) or add_tags= /
-        remove_tags= (edited atomically), notes= (None clears)."""
+        remove_tags= (edited atomically), notes= (None clears), spec_annotations= (merged into
+        the stored spec; crucible.spec.ANNOTATIONS only)."""
         return self.request("PATCH", f"{_PREFIX}/sweeps/{sweep_id}", json_body=changes)
 
     def robustness(self, sweep_id: str) -> dict[str, Any]:

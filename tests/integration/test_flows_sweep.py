@@ -152,3 +152,6 @@ def test_run_seeds_runs_part_of_the_grid_and_the_same_sweep_completes_it(
     runs = flow_client.list_runs(sweep_id=first["sweep_id"])
     assert sorted((r["p"], r["seed"]) for r in runs) == [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
     assert flow_client.get_sweep(first["sweep_id"])["status"] == "completed"
+    again = failure_sweep(spec.model_copy(update={"run_seeds": [0]}))   # nothing left to run
+    assert again["skipped"] == 2 and again["completed"] == 0
+    assert flow_client.get_sweep(first["sweep_id"])["status"] == "completed"

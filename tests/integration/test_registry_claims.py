@@ -117,10 +117,43 @@ def test_a_stored_spec_with_malformed_references_gets_a_422_naming_them(registry
     response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
     assert response.status_code == 422
     assert "spec.references[0].p" in response.text
-    sweep = registry.post(f"{V1}/sweeps", json={"name": "bad-claims", "spec": {
-        "claims": ["f"]}}).json()
-    response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
-    assert response.status_code == 422 and "spec.claims[0]" in response.text
+    for claims, needle in ((["f"], "spec.claims[0]"), ([], "decides no claim"),
+                           (["a", "a"], "twice")):
+        sweep = registry.post(f"{V1}/sweeps", json={"name": "bad-claims", "spec": {
+            "claims": claims}}).json()
+        response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+        assert response.status_code == 422 and needle in response.text, (claims, response.text)
+    twice = [{"arm": "ssn", "p": 0.1, "pct": 1.0}, {"arm": "ssn", "p": 0.1, "pct": 2.0}]
+    for refs, needle in ((twice, "two references for ssn/skip"), ([], "no reference value")):
+        sweep = registry.post(f"{V1}/sweeps", json={"name": "bad-refs", "spec": {
+            "references": refs}}).json()
+        response = registry.get(f"{V1}/sweeps/{sweep['id']}/claims")
+        assert response.status_code == 422 and needle in response.text, (refs, response.text)
+
+
+def test_a_sweeps_annotations_are_updated_in_its_stored_spec(registry):
+    """A re-run of a sweep with other references (or margins, or claims) continues it, and
+    what the claims read is the re-run's: the flow sends its annotations, the registry merges
+    them into the stored spec; a key that would change what runs is refused."""
+    sweep = registry.post(f"{V1}/sweeps", json={"name": "notes", "spec": {
+        "seeds": [0], "claims": ["a"]}}).json()
+    for arm in ("mapl", "none"):
+        for p in (0.0, 0.1):
+            run = _create(registry, sweep["id"], _config(p=p, seed=0, compression=arm))
+            _finish(registry, run["id"], "completed", 2.0 + p)
+    refs = [{"arm": "mapl", "p": 0.1, "pct": 2.0}, {"arm": "none", "p": 0.1, "pct": 1.5}]
+    response = registry.patch(f"{V1}/sweeps/{sweep['id']}", json={"spec_annotations": {
+        "references": refs, "claims": ["d"], "close_margin": 1.0}})
+    assert response.status_code == 200, response.text
+    assert response.json()["spec"] == {"seeds": [0], "claims": ["d"], "references": refs,
+                                       "close_margin": 1.0}
+    body = registry.get(f"{V1}/sweeps/{sweep['id']}/claims").json()
+    assert [c["tag"] for c in body["claims"]] == ["d"] and body["close_margin"] == 1.0
+    assert body["claims"][0]["comparisons"][0]["reference"] == 0.5
+    response = registry.patch(f"{V1}/sweeps/{sweep['id']}", json={"spec_annotations": {
+        "seeds": [0, 1]}})
+    assert response.status_code == 422 and "'seeds' is not an annotation" in response.text
+    assert "spec_annotations" in response.text
 
 
 def _committed_study():

@@ -609,6 +609,10 @@ def test_a_precision_round_counts_the_seeds_kept_only_as_result_files(tmp_path: 
     registry = [{**rows[0], "id": "r0", "strategy": None, "label": None}]
     merged = with_result_files(spec, registry)
     assert len(merged) == 4 and merged[0]["id"] == "r0"
+    [file_row] = [r for r in rows if r["p"] == 0.1 and r["seed"] == 0]
+    failed = [{**file_row, "id": "r-failed", "label": None, "status": "failed"}]
+    merged = with_result_files(spec, failed)           # a failed run does not hide the file
+    assert [r["id"] for r in merged] == ["r-failed", *(r["id"] for r in rows)]
     assert with_result_files(spec, [{**r, "id": f"r{i}", "label": None,
                                      "strategy": None if r["p"] == 0 else r["strategy"]}
                                     for i, r in enumerate(rows)]) is None   # all in the registry

@@ -279,3 +279,14 @@ def test_run_seeds_runs_some_seeds_of_the_same_sweep() -> None:
     assert spec.runs_now() == spec.cells()
     with pytest.raises(ValidationError, match=r"run_seeds \[7\] are not among the spec's seeds"):
         SweepSpec(grid=grid, seeds=[0, 1], run_seeds=[1, 7])
+
+
+def test_demo_options_add_to_the_demos_overrides() -> None:
+    """`crucible sweep --demo --set k=v`: the demo's own settings stay, the option's come after
+    them (and win where both name a key); other options replace the demo's value."""
+    from flows.cli import _spec_from_options
+
+    spec = _spec_from_options(True, {"overrides": ["train.lr=0.002"], "seeds": [4, 5]})
+    assert spec.overrides == [*DEMO_SPEC["overrides"], "train.lr=0.002"]
+    assert spec.seeds == [4, 5] and spec.preset == DEMO_SPEC["preset"]
+    assert _spec_from_options(False, {"overrides": ["replicas=2"]}).overrides == ["replicas=2"]
