@@ -97,10 +97,11 @@ def _setting(data: StudyData) -> dict[str, Any]:
 
 
 def _shape(run: Mapping[str, Any]) -> str:
-    """A run's configuration beyond what the grid varies (seed, arm, p, strategy, decode) and
-    beyond where its corpus lay: corpora are compared by content (`data_digest`), never by
-    path."""
-    varying = ("seed", "pipeline", "faults")
+    """A run's configuration beyond what the grid varies (seed, arm, p, strategy, decode),
+    beyond the name of the preset it was written as (a pilot's `study` preset with
+    `model.d_model=128` is the same configuration as `study-d128`) and beyond where its corpus
+    lay: corpora are compared by content (`data_digest`), never by path."""
+    varying = ("seed", "pipeline", "faults", "preset")
     config = {k: v for k, v in run["config"].items() if k not in varying}
     if isinstance(config.get("data"), dict):
         data = {k: v for k, v in config["data"].items() if k != "path"}

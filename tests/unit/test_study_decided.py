@@ -255,6 +255,29 @@ def test_a_corpus_path_alone_is_not_another_configuration(spec: SweepSpec) -> No
     assert "trained on 2 different corpora" in text
 
 
+def test_a_presets_name_alone_is_not_another_configuration(spec: SweepSpec) -> None:
+    """A pilot's runs written as `study` with `model.d_model=128` and a grid's written as
+    `study-d128` are one configuration when their settings are equal; a setting that differs
+    is another."""
+    fill(spec, {"ssn-skip-p0.1": [0.1, 0.2, 0.3]})
+
+    def renamed(stem: str, summary: dict) -> None:
+        if stem.endswith("s0"):
+            summary["config"]["preset"] = "another-name"
+
+    _rewrite(spec, renamed)
+    text = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
+    assert "different configurations" not in text
+
+    def other_lr(stem: str, summary: dict) -> None:
+        if stem.endswith("s1"):
+            summary["config"]["train"]["lr"] = 0.123
+
+    _rewrite(spec, other_lr)
+    text = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
+    assert "the results come from 2 different configurations" in text
+
+
 def test_kept_results_are_portable(spec: SweepSpec) -> None:
     cell = expand_cells(spec)[0]
     summary = fake_summary(cell, 2.0, spec=spec)
