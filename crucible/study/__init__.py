@@ -36,56 +36,40 @@ and seed sees the same failure schedule, so comparisons are paired by seed). Mea
 Paths inside a spec are relative to the spec file's folder. Relative paths printed in the
 document are relative to the folder above it (the repository root for `studies/NAME.toml`).
 
-The code, one concern a module: crucible.study.spec (the spec and its cells),
+The code, one concern a module: crucible.study.spec (loading a spec, its result files),
 crucible.study.runner (keeping, adopting and loading results), crucible.study.data
-(`StudyData`, the noise floor), crucible.study.document (the Markdown document and `render`),
-crucible.study.formatting (how it writes numbers and verdicts), crucible.study.figures (the PNG
-figures) and cli.study (`crucible study ...`). This package re-exports their names.
+(`StudyData`, the noise floor), crucible.study.document (the Markdown document and `render`,
+through the template results.md.j2), crucible.study.formatting (how it writes numbers and
+verdicts), crucible.study.figures (the PNG figures), the document's sections crucible.study.pilot,
+.scale, .alignment and .paper (Table 1 as CSV and LaTeX), and cli.study (`crucible study ...`).
+This package's face holds their public names only.
 """
 from __future__ import annotations
 
 from crucible.study.data import NOISE_FLOOR_Z, StudyData, noise_floor
-from crucible.study.data import _row as _row
-from crucible.study.data import noise_floor_of as noise_floor_of
-from crucible.study.document import _extras as _extras
-from crucible.study.document import _missing_count as _missing_count
-from crucible.study.document import _rendered as _rendered
-from crucible.study.document import render, render_markdown
-from crucible.study.document import table_files as table_files
-from crucible.study.figures import CHROMIUM as CHROMIUM
-from crucible.study.figures import CHROMIUM_ARGS as CHROMIUM_ARGS
-from crucible.study.figures import build_figures, write_figures
-from crucible.study.figures import figure_files as figure_files
-from crucible.study.formatting import _cell_name as _cell_name
-from crucible.study.formatting import _ci as _ci
-from crucible.study.formatting import _claim_sentence as _claim_sentence
-from crucible.study.formatting import _claim_summary as _claim_summary
-from crucible.study.formatting import _num as _num
-from crucible.study.formatting import _pct as _pct
-from crucible.study.formatting import _pts as _pts
-from crucible.study.formatting import _table as _table
-from crucible.study.runner import BULKY_FIELDS as BULKY_FIELDS
-from crucible.study.runner import MAX_RESULT_BYTES as MAX_RESULT_BYTES
-from crucible.study.runner import adopt_results as adopt_results
-from crucible.study.runner import check_result as check_result
-from crucible.study.runner import check_same_cpu as check_same_cpu
-from crucible.study.runner import comparable_config as comparable_config
-from crucible.study.runner import cpu_model as cpu_model
-from crucible.study.runner import keep_result as keep_result
-from crucible.study.runner import load_results
-from crucible.study.runner import machine_description as machine_description
-from crucible.study.runner import portable as portable
-from crucible.study.runner import slim_summary as slim_summary
+from crucible.study.document import render, render_markdown, table_files
+from crucible.study.figures import CHROMIUM, build_figures, write_figures
+from crucible.study.runner import (
+    adopt_results,
+    check_same_cpu,
+    cpu_model,
+    keep_result,
+    load_results,
+    portable,
+    slim_summary,
+)
 from crucible.study.spec import (
     DEFAULT_SPEC,
     FigureError,
     StudyError,
     completed_cells,
     load_spec,
+    result_cells,
+    result_path,
 )
-from crucible.study.spec import result_cells as result_cells
-from crucible.study.spec import result_path as result_path
 
-__all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "load_results", "StudyData",
-           "render_markdown", "build_figures", "write_figures", "render", "noise_floor",
-           "NOISE_FLOOR_Z", "DEFAULT_SPEC"]
+__all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "result_cells",
+           "result_path", "load_results", "keep_result", "adopt_results", "check_same_cpu",
+           "cpu_model", "portable", "slim_summary", "StudyData", "render_markdown", "render",
+           "table_files", "build_figures", "write_figures", "noise_floor", "NOISE_FLOOR_Z",
+           "CHROMIUM", "DEFAULT_SPEC"]

@@ -21,6 +21,8 @@ from crucible.cells import Cell, GridKey, expand_cells
 from crucible.config import apply_overrides
 from crucible.presets import get_preset
 from crucible.spec import SweepSpec
+from crucible.study.document import _missing_count
+from crucible.study.formatting import _claim_sentence
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from cli.main import main; main()"]
@@ -357,7 +359,7 @@ def test_one_seed_has_no_interval_and_missing_cells_are_counted(spec: SweepSpec)
     text = study.render_markdown(data)
     assert "+0.70% (n=1, no interval)" in text
     assert "not run yet" in text
-    missing, expected = study._missing_count(data)
+    missing, expected = _missing_count(data)
     assert expected == len(expand_cells(spec)) and missing == expected - 4
 
 
@@ -435,7 +437,7 @@ def test_claims_disagree_when_the_data_say_the_opposite(spec: SweepSpec) -> None
     assert claims["b"].verdict == stats.DISAGREES
     assert claims["c"].verdict == stats.DISAGREES
     assert claims["d"].verdict == stats.DISAGREES
-    assert "not reproduced" in study._claim_sentence(claims["a"])
+    assert "not reproduced" in _claim_sentence(claims["a"])
 
 
 def test_claims_not_resolved_when_intervals_straddle(spec: SweepSpec) -> None:
@@ -444,7 +446,7 @@ def test_claims_not_resolved_when_intervals_straddle(spec: SweepSpec) -> None:
                                                "none": [0.0, 1.0, -1.5]}))
     for tag in "abcd":
         assert claims[tag].verdict == stats.NOT_RESOLVED, tag
-    assert "not resolved" in study._claim_sentence(claims["a"])
+    assert "not resolved" in _claim_sentence(claims["a"])
 
 
 def test_claims_not_run_without_two_seeds(spec: SweepSpec) -> None:

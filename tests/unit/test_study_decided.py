@@ -14,6 +14,7 @@ from crucible.cells import GridKey, expand_cells
 from crucible.names import ARM_LABEL, ARMS
 from crucible.spec import SweepSpec
 from crucible.stats import t_quantile
+from crucible.study.document import _missing_count
 from tests.unit.test_study import fake_summary, fill, write_spec
 
 LOW_P_GRID = """
@@ -574,7 +575,7 @@ def test_a_precision_rounds_seeds_are_read_back_and_not_owed(tmp_path: Path) -> 
                                                                              spec=spec)))
     data = study.StudyData(spec, study.load_results(spec))
     assert sorted(data.degradation(GridKey("ssn", "skip", 0.1))) == [0, 1, 2]
-    assert study._missing_count(data) == (0, 4)
+    assert _missing_count(data) == (0, 4)
 
 
 def test_a_block_that_changes_nothing_is_refused(tmp_path: Path) -> None:
