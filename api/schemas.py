@@ -38,7 +38,7 @@ from pydantic import (
     Strict,
     TypeAdapter,
     WithJsonSchema,
-    field_validator,
+    create_model,
     model_validator,
 )
 from pydantic_core import core_schema
@@ -49,6 +49,7 @@ from typing_extensions import (  # pydantic refuses typing.TypedDict before 3.12
 
 from crucible.events import EVENT_KINDS, METRIC_NAMES
 from crucible.names import Compression, RunStatus, Strategy, SweepStatus  # noqa: F401
+from crucible.spec import ANNOTATIONS
 from crucible.tags import MAX_NOTES, MAX_TAGS, TAG_PATTERN
 
 __all__ = [
@@ -258,26 +259,21 @@ class SweepCreate(BaseModel):
     notes: Notes | None = None  # type: ignore[valid-type]
 
 
+# the keys of a stored spec that annotate it without changing what it runs, each any JSON
+# value: the schema names them, so a key that would make it another sweep is a 422 by schema
+SpecAnnotations = create_model(
+    "SpecAnnotations", __config__=_IN,
+    **{key: (JsonValue | None, Field(None)) for key in ANNOTATIONS})
+
+
 class SweepUpdate(_TagEdits):
     status: SweepStatus | None = None
     prefect_flow_run_id: Text(64) | None = None  # type: ignore[valid-type]
-    spec_annotations: JsonObject | None = Field(
+    spec_annotations: SpecAnnotations | None = Field(  # type: ignore[valid-type]
         None, description="keys of the stored spec that annotate it without changing what it "
                           "runs (crucible.spec.ANNOTATIONS: margins, target_half_width, "
                           "references, claims, title, ...), merged into the stored spec; any "
-                          "other key is refused (it would make it another sweep)")
-
-    @field_validator("spec_annotations")
-    @classmethod
-    def _annotations_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from crucible.spec import ANNOTATIONS
-
-        other = sorted(set(value or {}) - set(ANNOTATIONS))
-        if other:
-            raise ValueError(f"{other[0]!r} is not an annotation of a spec (those are "
-                             f"{', '.join(ANNOTATIONS)}); a spec that runs other cells is "
-                             "another sweep")
-        return value
+                          "other key is refused (a spec that runs other cells is another sweep)")
 
 
 class SweepPublic(BaseModel):
