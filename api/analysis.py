@@ -69,7 +69,7 @@ def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[
     model refuses is a 422 naming it (a sweep registered by hand with a malformed spec)."""
     from pydantic import TypeAdapter, ValidationError
 
-    from crucible.spec import Claims, References
+    from crucible.spec import Claims, References, reference_values
 
     def valid(name: str, kind: Any) -> Any:
         value = spec.get(name)
@@ -87,7 +87,7 @@ def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[
 
     refs = valid("references", References)
     only = valid("claims", Claims)
-    return (None if refs is None else {(r.arm, r.strategy, r.p): r.pct for r in refs},
+    return (None if refs is None else reference_values(refs),
             None if only is None else list(only))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from crucible.cells import expand_cells
 from crucible.spec import SweepSpec
 from crucible.study.document import render
 from crucible.study.runner import adopt_results, check_same_cpu
@@ -142,7 +141,7 @@ def register(app: Any) -> None:
         into its results (what `study run` does before it runs anything); runs nothing."""
         try:
             spec = load_spec(spec_path)
-            _, todo = completed_cells(spec, expand_cells(spec))
+            _, todo = completed_cells(spec, spec.cells())
             adopted = adopt_results(spec, todo)
         except StudyError as exc:
             raise fail(str(exc)) from None

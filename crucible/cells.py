@@ -82,6 +82,12 @@ class Cell:
         return self.key.is_baseline
 
     @property
+    def run_key(self) -> tuple[str, str | None, float, str, int]:
+        """(arm, strategy or None for a baseline, p, label, seed): how a registry run or a
+        result file names its cell (flows.study_results.cell_key_of)."""
+        return (self.arm, self.strategy, self.p, self.key.label, self.seed)
+
+    @property
     def baseline(self) -> Cell:
         """The p = 0 cell this cell is compared against (itself for a baseline)."""
         return Cell.of(self.arm, None, 0.0, self.seed)

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from crucible.config import Config, ConfigError
+from crucible.config import Config, ConfigError, apply_overrides
 from crucible.memory import MemoryEstimate, check_fits
 from crucible.store import open_store, parse_store_url
 
@@ -74,10 +74,9 @@ def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimat
 
 def check_spec_here(spec: SweepSpec, *, memory_check: bool = True) -> None:
     """`check_machine` for every distinct configuration of the cells a sweep or study runs now
-    (`SweepSpec.runs_now`; the
-    seed aside: it changes neither the device nor the memory), before any of them starts; each
-    run checks again for itself. Raises ConfigError naming the cell."""
-    from crucible.config import apply_overrides
+    (`SweepSpec.runs_now`; the seed aside: it changes neither the device nor the memory),
+    before any of them starts; each run checks again for itself. Raises ConfigError naming the
+    cell."""
     from crucible.presets import get_preset
 
     base, seen = get_preset(spec.preset), set()

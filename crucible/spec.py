@@ -44,7 +44,7 @@ from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Str
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "ARMS", "STRATEGIES", "PRESET_NAMES",
            "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
            "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS", "References",
-           "Claims", "check_references", "check_claims"]
+           "Claims", "check_references", "check_claims", "reference_values"]
 
 Arm = Compression
 StrategyName = Strategy
@@ -260,6 +260,12 @@ def check_claims(value: list[str]) -> list[str]:
     return _no_repeats(value, "a claim")
 
 
+def reference_values(references: list[Reference]) -> dict[tuple[str, str, float], float]:
+    """References as the claims take them (crucible.stats.References): {(arm, strategy, p):
+    pct}."""
+    return {(r.arm, r.strategy, r.p): r.pct for r in references}
+
+
 # the field types of `references` and `claims`, also how the registry validates a stored spec
 References = Annotated[list[Reference], AfterValidator(check_references)]
 Claims = Annotated[list[ClaimTag], AfterValidator(check_claims)]
@@ -469,9 +475,7 @@ class SweepSpec(BaseModel):
     def reference_values(self) -> dict[tuple[str, str, float], float] | None:
         """The references as the claims take them, {(arm, strategy, p): pct}; None: the
         blog's."""
-        if self.references is None:
-            return None
-        return {(r.arm, r.strategy, r.p): r.pct for r in self.references}
+        return None if self.references is None else reference_values(self.references)
 
     @property
     def blocks(self) -> list[GridBlock]:

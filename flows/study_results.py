@@ -17,7 +17,8 @@ from flows.settings import FlowSettings
 if TYPE_CHECKING:
     from flows.sweep_flow import _Planned
 
-__all__ = ["has_result", "keep_study_result", "keeper", "keep_all", "with_result_files"]
+__all__ = ["has_result", "keep_study_result", "keeper", "keep_all", "with_result_files",
+           "cell_key_of", "finished"]
 
 
 def keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
@@ -69,10 +70,19 @@ def keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) -
                                item.cell.id, exc)
 
 
-def _cell_of(run: dict[str, Any]) -> tuple[Any, ...]:
+def cell_key_of(run: dict[str, Any]) -> tuple[Any, ...]:
+    """The grid cell a run row is of, as `Cell.run_key` gives it: (arm, strategy or None for
+    a p = 0 baseline, p, label, seed); registry rows and result-file rows alike."""
     baseline = float(run["p"]) == 0.0
     return (run["compression"], None if baseline else run["strategy"], float(run["p"]),
-            run.get("label") or "", int(run["seed"]), run.get("duration"))
+            run.get("label") or "", int(run["seed"]))
+
+
+def finished(run: dict[str, Any]) -> bool:
+    """A usable run that owes the registry nothing: a data point of its cell."""
+    from crucible.stats import usable
+
+    return usable(run) and not run.get("owed_records")
 
 
 def with_result_files(spec: SweepSpec, runs: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -82,17 +92,16 @@ def with_result_files(spec: SweepSpec, runs: list[dict[str, Any]]) -> list[dict[
     (a plain sweep; a study whose files all have runs here): the registry alone is the data."""
     if spec.files is None:
         return None
-    from crucible.stats import usable
     from crucible.study.data import _row
     from crucible.study.runner import load_results
     from crucible.study.spec import result_cells
 
     results = load_results(spec)
     # a failed, cancelled or unfinished registry run of a cell does not hide the cell's file
-    have = {_cell_of(run) for run in runs if usable(run) and not run.get("owed_records")}
+    have = {(cell_key_of(run), run.get("duration")) for run in runs if finished(run)}
     files = [row for cell in result_cells(spec) if cell.id in results
              for row in [_row(cell.key, cell.seed, results[cell.id])]
-             if _cell_of(row) not in have]
+             if (cell_key_of(row), row["duration"]) not in have]
     if not files:
         return None
     # a run still owing records is no finished data point yet (as the registry reads it)

@@ -56,13 +56,15 @@ from crucible.config import Config, ConfigError
 from crucible.names import FINAL_STATUSES
 from crucible.registry.client import ApiError, ApiUnavailable
 from crucible.spec import ANNOTATIONS, SweepSpec, identity_of
-from crucible.stats import claim_rows, robustness, seeds_wanted, usable
+from crucible.stats import claim_rows, robustness, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
 from flows.study_results import (
+    cell_key_of,
+    finished,
     has_result,
     keep_all,
     keep_study_result,
@@ -425,11 +427,12 @@ def _precision_rounds(spec: SweepSpec, sweep_id: str, planned: list[_Planned],
     known = list(planned)
     for number in range(1, spec.max_seeds + 1):       # each round adds a seed to some cell
         with make_client(settings) as client:
-            items = client.robustness(sweep_id)["items"]
             runs = _items(client.list_runs(sweep_id=sweep_id))
-        merged = with_result_files(spec, runs)     # a study's seeds kept only as files count
-        if merged is not None:
-            runs, items = merged, robustness(merged)["items"]
+            merged = with_result_files(spec, runs)     # a study's seeds kept only as files count
+            if merged is None:
+                items = client.robustness(sweep_id)["items"]
+            else:
+                runs, items = merged, robustness(merged)["items"]
         wanted = seeds_wanted(items, target=spec.target_half_width, max_seeds=spec.max_seeds)
         cells = extra_cells(spec, wanted, runs)
         if not cells:
@@ -459,12 +462,8 @@ def _cells_left(spec: SweepSpec, sweep_id: str, settings: FlowSettings) -> int:
     result file."""
     with make_client(settings) as client:
         runs = _items(client.list_runs(sweep_id=sweep_id))
-    done = {(run["compression"], run["strategy"] if float(run["p"]) else None, float(run["p"]),
-             run.get("label") or "", int(run["seed"]))
-            for run in runs if usable(run) and not run.get("owed_records")}
-    return sum(1 for c in spec.cells()
-               if (c.arm, c.strategy, c.p, c.key.label, c.seed) not in done
-               and not has_result(spec, c))
+    done = {cell_key_of(run) for run in runs if finished(run)}
+    return sum(1 for c in spec.cells() if c.run_key not in done and not has_result(spec, c))
 
 
 def _registry_status(results: list[dict[str, Any]],

@@ -160,28 +160,28 @@ def load_spec(path: str | os.PathLike[str]) -> SweepSpec:
     except ValidationError as exc:
         raise StudyError(_problem(path, exc.errors()[0])) from None
     _check_configs(spec, path)
-    _check_distinct(spec, path)
     return spec
 
 
 def _check_configs(spec: SweepSpec, path: Path) -> None:
-    """Every distinct configuration must be valid before anything runs."""
+    """Before anything runs: every cell's configuration must be valid, and no two cells may
+    have one (a block whose `set` is the preset's own value would be one run under two
+    names; `SweepSpec.refuse_duplicates` names both)."""
     from crucible.config import ConfigError, apply_overrides
     from crucible.presets import get_preset
 
     base = get_preset(spec.preset)
-    checked: set[tuple[str, ...]] = set()
+    keyed = []
     for cell in spec.cells():
-        overrides = cell.overrides(spec)
-        key = tuple(o for o in overrides if not o.startswith("seed="))
-        if key in checked:
-            continue
-        checked.add(key)
         try:
-            apply_overrides(base, overrides)
+            keyed.append((cell, apply_overrides(base, cell.overrides(spec)).to_json()))
         except ConfigError as exc:
             where = "set" if cell.block is None else f"grid[{cell.block}]"
             raise StudyError(f"{_where(path, where)}: cell {cell.id}: {exc}") from None
+    try:
+        spec.refuse_duplicates(keyed)
+    except ValueError as exc:
+        raise StudyError(f"{path}: {exc}") from None
 
 
 def result_cells(spec: SweepSpec) -> list[Cell]:
@@ -202,20 +202,6 @@ def result_cells(spec: SweepSpec) -> list[Cell]:
                 have.add(cell.id)
                 cells.append(cell)
     return cells
-
-
-def _check_distinct(spec: SweepSpec, path: Path) -> None:
-    """Two cells with one resolved config would be one run under two names (a block whose
-    `set` is the preset's own value): refuse it, naming both."""
-    from crucible.config import apply_overrides
-    from crucible.presets import get_preset
-
-    base = get_preset(spec.preset)
-    try:
-        spec.refuse_duplicates((cell, apply_overrides(base, cell.overrides(spec)).to_json())
-                               for cell in spec.cells())
-    except ValueError as exc:
-        raise StudyError(f"{path}: {exc}") from None
 
 
 def result_path(spec: SweepSpec, cell: Cell) -> Path:
