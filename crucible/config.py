@@ -23,7 +23,8 @@ from crucible.store import parse_store_url  # stdlib only: boto3 loads with the 
 
 __all__ = [
     "ConfigError", "ModelConfig", "PipelineConfig", "SparseLoCoConfig", "TrainConfig",
-    "FaultConfig", "DataConfig", "StoreConfig", "Config", "apply_overrides",
+    "FaultConfig", "DataConfig", "StoreConfig", "Config", "apply_overrides", "LATER_DEFAULTS",
+    "without_later_defaults",
 ]
 
 OuterMethod = Literal["sparseloco", "diloco", "ddp"]
@@ -32,6 +33,8 @@ ClipGranularity = Literal["tensor", "stage"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["fp32", "bf16"]
 Mlp = Literal["swiglu", "gelu"]
+FaultProcess = Literal["independent", "correlated", "spot", "trace"]
+DownTimes = Literal["fixed", "pareto"]
 # The SparseLoCo codec's largest chunk edge: chunk-local indices are 12 bits, so a chunk holds at
 # most 64 x 64 = 4096 values (crucible.sparseloco._chunking reads it from here).
 MAX_SPARSELOCO_CHUNK = 64
@@ -191,14 +194,46 @@ class TrainConfig:
 
 @dataclass
 class FaultConfig:
+    """What fails and what a replica does about it (crucible.faults draws the plan).
+
+    Every process keeps `p` the expected number of failures a replica starts per global step
+    (while it is up), so processes compare at one failure rate: `independent` (the blog's: each
+    replica on its own), `correlated` (an outage takes one stage down in `group` replicas at
+    once), `spot` (reclaim waves take a `wave` fraction of the replicas, each at one of its
+    stages, announced `notice` global steps ahead) and `trace` (the failures of a recorded CSV,
+    `trace`; p = 0 still means none). Down times are `duration` steps, or heavy-tailed
+    (`down_times = "pareto"`, shape `tail`, mean about `duration`).
+    """
     p: float = 0.0                  # failure probability per replica per global step
-    duration: int = 6               # global steps a failed stage stays down
+    duration: int = 6               # global steps a failed stage stays down (the mean, if pareto)
     strategy: Strategy = "skip"
+    process: FaultProcess = "independent"
+    group: int = 2                  # correlated: replicas one outage takes down together
+    wave: float = 0.5               # spot: fraction of the replicas a reclaim wave takes
+    notice: int = 0                 # spot: global steps between a wave's notice and the reclaim
+    down_times: DownTimes = "fixed"
+    tail: float = 1.5               # pareto shape (> 1: a finite mean); smaller is heavier
+    trace: str | None = None        # trace: CSV of replica,stage,start,end (end exclusive)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.p, (int, float)) and 0.0 <= self.p <= 1.0,
                  f"faults.p must be a probability in [0, 1], got {self.p!r}")
         _require(self.duration >= 1, f"faults.duration must be >= 1 global step, got {self.duration}")
+        _require(self.group >= 2, f"faults.group must be >= 2 replicas (one outage takes down "
+                                  f"several at once; use faults.process=independent for one), "
+                                  f"got {self.group}")
+        _require(0 < self.wave <= 1, f"faults.wave must be a fraction of the replicas in (0, 1], "
+                                     f"got {self.wave}")
+        _require(self.notice >= 0, f"faults.notice must be >= 0 global steps, got {self.notice}")
+        _require(self.tail > 1, f"faults.tail must be > 1 (a pareto shape <= 1 has no mean down "
+                                f"time); try 1.5, got {self.tail}")
+        if self.process == "trace":
+            _require(bool(self.trace), "faults.process=trace needs faults.trace=PATH, a CSV with "
+                                       "the header replica,stage,start,end")
+        else:
+            _require(self.trace is None,
+                     f"faults.trace={self.trace!r} is read only by faults.process=trace "
+                     f"(now {self.process!r}); set faults.process=trace or unset faults.trace")
 
 
 @dataclass
@@ -273,6 +308,16 @@ class Config:
             _require(stages >= 3,
                      f"faults.p={self.faults.p} needs inner stages to fail, but pipeline.stages="
                      f"{stages}; use pipeline.stages >= 3 or faults.p=0")
+        if self.faults.process == "correlated":
+            _require(self.faults.group <= self.replicas,
+                     f"faults.group={self.faults.group} exceeds replicas={self.replicas}; an "
+                     f"outage takes down at most every replica")
+
+    def identity(self) -> dict[str, Any]:
+        """`to_dict` without the keys added after runs were recorded (`LATER_DEFAULTS`) where
+        they hold their default: a run recorded before a key existed and one run today with the
+        key at its default are the same computation (fingerprints, study adoption)."""
+        return without_later_defaults(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -286,6 +331,26 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+# Keys added after runs were recorded, with the value that reproduces those runs. A key at this
+# value is left out of a run's identity, so no earlier run is re-identified by the addition.
+LATER_DEFAULTS: dict[str, Any] = {
+    "faults.process": "independent", "faults.group": 2, "faults.wave": 0.5, "faults.notice": 0,
+    "faults.down_times": "fixed", "faults.tail": 1.5, "faults.trace": None,
+}
+
+
+def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dict (`Config.to_dict`, or a recorded run's) without the `LATER_DEFAULTS` keys
+    that hold their default; other keys as they are (a new dict, the input unchanged)."""
+    out = json.loads(json.dumps(data))
+    for key, default in LATER_DEFAULTS.items():
+        section, leaf = key.split(".")
+        node = out.get(section)
+        if isinstance(node, dict) and leaf in node and node[leaf] == default:
+            del node[leaf]
+    return out
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -6,17 +6,55 @@ its own random stream seeded by (seed, p, duration, R, S) only, so every strateg
 arm at the same p and seed sees the same failures. Tests write plans by hand:
 
     FaultPlan().down(replica=2, stage=1, start=3, steps=6)
+
+`plan_for(faults, ...)` draws the plan of a config's failure process (`faults.process`):
+
+- `independent` (`draw_plan`, the blog's): each step, each replica that is up fails with
+  probability p, at a uniformly drawn inner stage.
+- `correlated`: each step, with probability min(1, p R / g), one outage (a zone, a rack) takes
+  the same inner stage down in g = `faults.group` replicas drawn at random (those already down
+  stay as they are) for one common down time. A replica's failure rate stays about p; only the
+  grouping changes.
+- `spot`: each step, with probability min(1, p / w), a reclaim wave takes round(w R) replicas
+  (w = `faults.wave`, at least one), each at its own inner stage; the wave is announced
+  `faults.notice` steps ahead (the failure's `notice`), so it starts that many steps after the
+  draw.
+- `trace`: the failures of a recorded CSV (`replica,stage,start,end`, end exclusive), read with
+  a size limit and validated row by row (`read_trace`).
+
+Down times are `faults.duration` steps, or with `faults.down_times = "pareto"` heavy-tailed:
+ceil(x_m U^(-1/a)) steps with shape a = `faults.tail` and x_m = duration (a - 1) / a, so the
+mean is about `duration` (the ceiling adds under one step) and a few outages last many times it.
+Every drawn process draws the same random numbers each step whatever happened before, so its
+plan for the first N steps does not depend on the horizon (drop_extend's longer runs see the
+same prefix); p = 0 is no failures in every process (the shared baselines).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import csv
+import hashlib
+import io
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 
 from crucible.seeding import FAULT_STREAM, generator
 
-__all__ = ["Failure", "FaultPlan", "FaultPlanError", "draw_plan"]
+if TYPE_CHECKING:
+    from crucible.config import FaultConfig
+
+__all__ = ["Failure", "FaultPlan", "FaultPlanError", "draw_plan", "plan_for", "read_trace",
+           "trace_digest", "MAX_TRACE_BYTES", "PROCESS_TAGS"]
+
+MAX_TRACE_BYTES = 16 * 1024 * 1024   # a trace file larger than this is refused before reading
+TRACE_HEADER = ("replica", "stage", "start", "end")
+# a stream tag per drawn process (independent keeps the blog's untagged stream, bit for bit)
+PROCESS_TAGS = {"correlated": 1, "spot": 2}
 
 
 class FaultPlanError(ValueError):
@@ -29,6 +67,7 @@ class Failure:
     stage: int
     start: int       # first global step the stage is down
     duration: int    # global steps it stays down; it rejoins at start + duration
+    notice: int = 0  # global steps of warning before `start` (spot reclaims); 0: none
 
     @property
     def end(self) -> int:
@@ -97,16 +136,19 @@ class FaultPlan:
         return FaultPlan([f for f in self.failures if f.start < global_steps])
 
     def to_list(self) -> list[dict[str, int]]:
-        return [asdict(f) for f in self.failures]
+        """As records; `notice` only where a failure was announced (plans recorded before it
+        existed read the same)."""
+        return [{k: v for k, v in asdict(f).items() if k != "notice" or v} for f in self.failures]
 
     @classmethod
     def from_list(cls, items: list[dict[str, Any]]) -> FaultPlan:
         try:
-            return cls([Failure(**{k: int(item[k]) for k in ("replica", "stage", "start", "duration")})
+            return cls([Failure(**{k: int(item[k]) for k in ("replica", "stage", "start", "duration")},
+                                notice=int(item.get("notice", 0)))
                         for item in items])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FaultPlanError(f"fault plan entries need integer replica, stage, start, duration: "
-                                 f"{exc}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise FaultPlanError(f"fault plan entries need integer replica, stage, start, duration "
+                                 f"(and optionally notice): {exc}") from None
 
 
 def draw_plan(*, seed: int, p: float, duration: int, replicas: int, stages: int,
@@ -132,3 +174,120 @@ def draw_plan(*, seed: int, p: float, duration: int, replicas: int, stages: int,
                                              duration=duration))
                 busy_until[r] = step + duration
     return plan
+
+
+def plan_for(faults: FaultConfig, *, seed: int, replicas: int, stages: int,
+             horizon: int) -> FaultPlan:
+    """The plan of `faults.process` for global steps 0..horizon-1 (see the module docstring)."""
+    if faults.p == 0.0 or stages < 3:
+        return FaultPlan()
+    if faults.process == "trace":
+        assert faults.trace is not None   # FaultConfig requires it
+        return read_trace(faults.trace, replicas=replicas, stages=stages).until(horizon)
+    if faults.process == "independent" and faults.down_times == "fixed":
+        return draw_plan(seed=seed, p=faults.p, duration=faults.duration, replicas=replicas,
+                         stages=stages, horizon=horizon)
+    gen = generator(seed, FAULT_STREAM, round(faults.p * 1_000_000_000), faults.duration,
+                    replicas, stages, PROCESS_TAGS.get(faults.process, 0),
+                    faults.group if faults.process == "correlated" else 0,
+                    round(faults.wave * 1_000_000) if faults.process == "spot" else 0,
+                    faults.notice if faults.process == "spot" else 0,
+                    round(faults.tail * 1_000_000) if faults.down_times == "pareto" else 0)
+    plan, busy_until = FaultPlan(), [0] * replicas
+
+    def down(r: int, stage: int, start: int, steps: int, notice: int = 0) -> None:
+        if start >= busy_until[r] and start < horizon:
+            plan.failures.append(Failure(replica=r, stage=stage, start=start, duration=steps,
+                                         notice=notice))
+            busy_until[r] = start + steps
+
+    for step in range(horizon):
+        if faults.process == "independent":
+            fails = torch.rand(replicas, generator=gen) < faults.p
+            where = torch.randint(1, stages - 1, (replicas,), generator=gen)
+            steps = _down_times(faults, replicas, gen)
+            for r in range(replicas):
+                if bool(fails[r]):
+                    down(r, int(where[r]), step, steps[r])
+        elif faults.process == "correlated":
+            event = float(torch.rand(1, generator=gen)) < min(1.0, faults.p * replicas / faults.group)
+            stage = int(torch.randint(1, stages - 1, (1,), generator=gen))
+            who = torch.randperm(replicas, generator=gen)[:faults.group].tolist()
+            steps = _down_times(faults, 1, gen)[0]
+            if event:
+                for r in sorted(who):
+                    down(r, stage, step, steps)
+        else:   # spot
+            size = max(1, round(faults.wave * replicas))
+            event = float(torch.rand(1, generator=gen)) < min(1.0, faults.p * replicas / size)
+            where = torch.randint(1, stages - 1, (replicas,), generator=gen)
+            who = torch.randperm(replicas, generator=gen)[:size].tolist()
+            steps = _down_times(faults, replicas, gen)
+            if event:
+                for r in sorted(who):
+                    down(r, int(where[r]), step + faults.notice, steps[r], faults.notice)
+    plan.failures.sort(key=lambda f: (f.start, f.replica))
+    return plan
+
+
+def _down_times(faults: FaultConfig, n: int, gen: torch.Generator) -> list[int]:
+    """n down times in global steps: `duration` each, or pareto (always n draws, whatever is
+    used, so the stream does not depend on what failed)."""
+    if faults.down_times == "fixed":
+        return [faults.duration] * n
+    shape = faults.tail
+    scale = faults.duration * (shape - 1) / shape
+    u = 1.0 - torch.rand(n, generator=gen, dtype=torch.float64)   # (0, 1]
+    return [max(1, math.ceil(scale * float(x) ** (-1.0 / shape))) for x in u]
+
+
+def _trace_bytes(path: str) -> bytes:
+    file = Path(path)
+    try:
+        size = file.stat().st_size
+    except OSError as exc:
+        raise FaultPlanError(f"faults.trace={path!r} cannot be read ({exc.strerror}); give the "
+                             f"path of a CSV with the header {','.join(TRACE_HEADER)}") from None
+    if size > MAX_TRACE_BYTES:
+        raise FaultPlanError(f"faults.trace={path!r} is {size} bytes, more than the "
+                             f"{MAX_TRACE_BYTES} a trace may have; cut it to the run's steps")
+    return file.read_bytes()[:MAX_TRACE_BYTES + 1]
+
+
+def trace_digest(path: str) -> str:
+    """sha256 of the trace file's bytes (part of a trace run's identity)."""
+    return hashlib.sha256(_trace_bytes(path)).hexdigest()
+
+
+def read_trace(path: str, *, replicas: int, stages: int) -> FaultPlan:
+    """The failures of a trace CSV (header `replica,stage,start,end`, end exclusive, one row a
+    failure), validated for this run's shape; raises FaultPlanError naming the row."""
+    try:
+        text = _trace_bytes(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise FaultPlanError(f"faults.trace={path!r} is not UTF-8 text; write it as a CSV with "
+                             f"the header {','.join(TRACE_HEADER)}") from None
+    rows = csv.reader(io.StringIO(text))
+    header = tuple(h.strip() for h in next(rows, []))
+    if header != TRACE_HEADER:
+        raise FaultPlanError(f"faults.trace={path!r}: the first line must be "
+                             f"{','.join(TRACE_HEADER)}, got {','.join(header) or 'nothing'}")
+    plan = FaultPlan()
+    for line, row in enumerate(rows, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        try:
+            if len(row) != len(TRACE_HEADER):
+                raise ValueError(f"{len(row)} fields")
+            replica, stage, start, end = (int(cell) for cell in row)
+        except ValueError as exc:
+            raise FaultPlanError(f"faults.trace={path!r} line {line}: {row!r} is not four "
+                                 f"integers replica,stage,start,end ({exc})") from None
+        if end <= start:
+            raise FaultPlanError(f"faults.trace={path!r} line {line}: end {end} must be after "
+                                 f"start {start} (end is the first step the stage is back)")
+        plan.down(replica=replica, stage=stage, start=start, steps=end - start)
+    try:
+        return plan.validate(replicas=replicas, stages=stages)
+    except FaultPlanError as exc:
+        raise FaultPlanError(f"faults.trace={path!r}: {exc}") from None

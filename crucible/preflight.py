@@ -3,6 +3,7 @@ before anything is written, so that a run that cannot work fails in a second wit
 instead of a traceback minutes later (or the kernel's OOM killer with none).
 
 - the token budget fits the data (`crucible.data.check_config_budget`);
+- a `trace` failure process's CSV is there and valid for the run (`check_trace`);
 - the device exists (`train.device=cuda` on a host without CUDA);
 - the output folder and a local store's folder can be created and written (not a file, not a
   read-only or pseudo-filesystem location);
@@ -31,8 +32,8 @@ from crucible.store import open_store, parse_store_url
 if TYPE_CHECKING:
     from crucible.spec import SweepSpec
 
-__all__ = ["check_writable_dir", "check_machine", "check_spec_here", "check_memory",
-           "check_can_start"]
+__all__ = ["check_writable_dir", "check_machine", "check_trace", "check_spec_here",
+           "check_memory", "check_can_start"]
 
 _PROBE_PREFIX = ".crucible-probe/"   # a LIST under it proves the bucket answers; nothing is there
 
@@ -61,6 +62,19 @@ def check_writable_dir(path: str | os.PathLike[str], *, field: str) -> Path:
     return folder
 
 
+def check_trace(config: Config) -> None:
+    """A `trace` failure process's file exists, fits the size limit and is a valid plan for
+    this run's replicas and stages (`crucible.faults.read_trace`); raises ConfigError."""
+    if config.faults.process != "trace" or config.faults.p == 0 or config.faults.trace is None:
+        return
+    from crucible.faults import FaultPlanError, read_trace
+
+    try:
+        read_trace(config.faults.trace, replicas=config.replicas, stages=config.pipeline.stages)
+    except FaultPlanError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimate | None:
     """The checks that need no folder: the token budget, the device, the memory estimate
     (skipped with `memory_check=False`; then None is returned). Raises ConfigError."""
@@ -68,6 +82,7 @@ def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimat
     from crucible.train import resolve_device  # torch: only where a run is about to start
 
     check_config_budget(config)
+    check_trace(config)
     device = resolve_device(config.train.device)
     return check_fits(config, device=device) if memory_check else None
 

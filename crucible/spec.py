@@ -55,7 +55,10 @@ PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
 GRID_KEYS = ("seed", "pipeline.compression", "faults.p", "faults.strategy")
 # settings that change nothing when no stage fails: a block may vary them and still be compared
 # with the arm's shared p = 0 baseline
-BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode",)
+# settings that change nothing when no stage fails (at p = 0 every failure process draws none)
+BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode", "faults.duration", "faults.process",
+                         "faults.group", "faults.wave", "faults.notice", "faults.down_times",
+                         "faults.tail", "faults.trace")
 # fields that describe a spec without changing what it runs (SweepSpec.identity): how it is
 # read (its claims' margins and target), where a study keeps its files and how many cells run
 # at once are not what it runs

@@ -31,7 +31,7 @@ from crucible.data import TokenData, check_token_budget, load_tokens, token_dige
 from crucible.errors import TrainingDiverged
 from crucible.evaluation import Evaluation, standard_error
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
-from crucible.faults import FaultPlan, draw_plan
+from crucible.faults import FaultPlan, plan_for
 from crucible.ids import validate_id
 from crucible.model_file import MODEL_FILE, save_global_weights
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
@@ -97,9 +97,9 @@ class Trainer(Evaluation):
                                           batch_size=config.train.eval_batch_size)
         self.max_steps = self._max_steps()
         faults = config.faults
-        self.plan = plan if plan is not None else draw_plan(
-            seed=config.seed, p=faults.p, duration=faults.duration, replicas=config.replicas,
-            stages=self.S, horizon=self.max_steps)
+        self.plan = plan if plan is not None else plan_for(
+            faults, seed=config.seed, replicas=config.replicas, stages=self.S,
+            horizon=self.max_steps)
         self.plan.validate(replicas=config.replicas, stages=self.S)
         self.counters = RunCounters.empty(replicas=self.R, stages=self.S)
         self.next_step = 0

@@ -23,10 +23,17 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 def config_fingerprint(config: Config) -> str:
     """sha256 (hex) of the resolved config's canonical JSON, without the store location and
     `sparseloco.round_timeout_s` (the distributed mode's wall-clock deadline: no number of a
-    simulated run depends on it, and adding the key must not re-identify every earlier run)."""
-    data = json.loads(config.to_json())
+    simulated run depends on it, and adding the key must not re-identify every earlier run),
+    nor the keys added later that hold their default (`crucible.config.LATER_DEFAULTS`). A
+    `trace` process adds the trace file's sha256: the same path with other failures is another
+    run."""
+    data = config.identity()
     data.pop("store", None)
     data.get("sparseloco", {}).pop("round_timeout_s", None)
+    if config.faults.process == "trace" and config.faults.trace:
+        from crucible.faults import trace_digest
+
+        data["faults"]["trace_sha256"] = trace_digest(config.faults.trace)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -124,9 +124,12 @@ def keep_result(spec: SweepSpec, cell: Cell, summary: dict[str, Any], *, jobs: i
 
 def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """A resolved config as two runs must share to be the same computation: without the preset's
-    name (a label; presets only fill in values) and, outside the MAPL arm, without
+    name (a label; presets only fill in values), without keys added later at their default
+    (`crucible.config.LATER_DEFAULTS`) and, outside the MAPL arm, without
     `pipeline.bypass_decode` (only MAPL reads it)."""
-    out = {k: v for k, v in config.items() if k != "preset"}
+    from crucible.config import without_later_defaults
+
+    out = {k: v for k, v in without_later_defaults(dict(config)).items() if k != "preset"}
     pipeline = out.get("pipeline")
     if isinstance(pipeline, dict) and pipeline.get("compression") != "mapl":
         out["pipeline"] = {k: v for k, v in pipeline.items() if k != "bypass_decode"}
