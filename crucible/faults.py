@@ -31,15 +31,13 @@ same prefix); p = 0 is no failures in every process (the shared baselines).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
 import csv
 import hashlib
 import io
 import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 

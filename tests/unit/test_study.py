@@ -582,7 +582,7 @@ def test_figures_render_to_png(spec: SweepSpec, tmp_path: Path) -> None:
 # the committed study
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["table1.toml", "table1-d128.toml"])
+@pytest.mark.parametrize("name", ["table1.toml", "table1-d128.toml", "processes.toml"])
 def test_committed_results_document_matches_the_committed_data(name: str) -> None:
     spec = study.load_spec(REPO / "studies" / name)
     expected = study.render_markdown(study.StudyData(spec, study.load_results(spec)))
