@@ -81,7 +81,9 @@ EVENT_KIND_HELP = ("What happened. Per down stage-replica and global step exactl
                    "(a round's manifest failed validation), checkpoint_rejected (a damaged "
                    "checkpoint was skipped on resume); in the distributed mode, real process "
                    "faults: process_killed, process_restarted and process_rejoined (detail: "
-                   "wall-clock seconds after the kill).")
+                   "wall-clock seconds after the kill; process_killed's detail.planned is false "
+                   "for a death nobody planned), and process_lost (a replica that never came "
+                   "back; detail: reason, lives).")
 
 
 def check_text(value: str) -> str:

@@ -1,10 +1,12 @@
 """`crucible launch`: a distributed run, one process per replica (see `crucible.distributed`).
 
     crucible launch --preset smoke --nproc 2 [--set key=value ...] --out DIR \
-        [--kill REPLICA@STEP ...] [--kill-forever REPLICA@STEP ...]
+        [--kill REPLICA@STEP ...] [--kill-forever REPLICA@STEP ...] [--restarts N] [--lease-s S]
 
-Exit 0 with DIR/summary.json written; 2 for bad input (message names the option and the fix);
-1 when a replica failed; 130 when interrupted (SIGINT or SIGTERM: the replicas are stopped first).
+Exit 0 with DIR/summary.json written (also when a replica never came back: a warning names it,
+and the summary's `distributed.lost` says why); 2 for bad input (message names the option and
+the fix); 1 when no replica finished; 130 when interrupted (SIGINT or SIGTERM: the replicas
+are stopped first).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import threading
 from pathlib import Path
 
 from crucible.config import ConfigError, apply_overrides
+from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS
 
 __all__ = ["launch_main"]
 
@@ -46,18 +49,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGKILL replica R at the start of global step STEP; it is restarted")
     p.add_argument("--kill-forever", action="append", default=[], metavar="R@STEP",
                    help="as --kill, but the replica is not restarted")
+    p.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
+                   help="per replica, restarts for unplanned deaths of its worker or agent "
+                        f"(default {DEFAULT_RESTARTS}; planned --kill restarts come on top)")
+    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                   help="heartbeat lease: peers stop waiting for a replica silent this long "
+                        f"(default {DEFAULT_LEASE_S:g}; 0 turns the lease off)")
     return p
 
 
 def launch_main(argv: list[str]) -> int:
     """Parse `argv`, launch, print the summary's key numbers as JSON; returns the exit code."""
-    from crucible.distributed.launch import launch
+    from crucible.distributed.launch import check_recovery, launch
     from crucible.presets import get_preset
 
     args = _parser().parse_args(argv)
     try:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        check_recovery(restarts=args.restarts, lease_s=args.lease_s)
         config = apply_overrides(get_preset(args.preset),
                                  [*args.overrides, f"replicas={args.nproc}"])
         kills = ([_kill(k, rejoin=True) for k in args.kill]
@@ -73,7 +83,8 @@ def launch_main(argv: list[str]) -> int:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None   # a cancel too
     try:
-        summary = launch(config, out_dir=args.out, kills=kills)
+        summary = launch(config, out_dir=args.out, kills=kills, restarts=args.restarts,
+                         lease_s=args.lease_s)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -87,6 +98,11 @@ def launch_main(argv: list[str]) -> int:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+    for row in summary["distributed"]["lost"]:
+        print(f"warning: replica {row['replica']} never came back ({row['reason']}); the run "
+              "completed without it", file=sys.stderr)
     keys = ("final_val_loss", "global_steps", "tokens_processed", "contributions", "wall_s")
-    print(json.dumps({k: summary[k] for k in keys} | {"out": str(args.out)}, indent=2))
+    print(json.dumps({k: summary[k] for k in keys} | {"out": str(args.out),
+                     "lost": [row["replica"] for row in summary["distributed"]["lost"]]},
+                     indent=2))
     return 0

@@ -27,7 +27,7 @@ __all__ = ["EVENT_KINDS", "METRIC_NAMES", "Metric", "Event", "Callback", "JsonlC
 
 EVENT_KINDS = ("failure_start", "bypass", "drop", "rejoin", "contribution_missing",
                "contribution_rejected", "reroute", "manifest_rejected", "checkpoint_rejected",
-               "process_killed", "process_restarted", "process_rejoined")
+               "process_killed", "process_restarted", "process_rejoined", "process_lost")
 METRIC_NAMES = ("train_loss", "val_loss", "tokens")
 MAX_DETAIL_TEXT = 200   # characters of a free-text detail (a rejection reason)
 

@@ -48,8 +48,9 @@ _EVENT_MARKERS = {  # kind -> (legend label, symbol, colour)
     # the distributed mode's real faults: a replica's process killed, and back contributing
     "process_killed": ("process killed (SIGKILL)", "x-thin", "#D55E00"),
     "process_rejoined": ("process rejoined", "triangle-up", "#0072B2"),
+    "process_lost": ("process lost (never came back)", "square-x-open", "#000000"),
 }
-_PROCESS_KINDS = ("process_killed", "process_rejoined")
+_PROCESS_KINDS = ("process_killed", "process_rejoined", "process_lost")
 _MARKER_OFFSET = 0.42  # markers sit just above a replica's bar, clear of its stage label
 
 Done = tuple[str, Any]  # (mitigation, donor replica or None)

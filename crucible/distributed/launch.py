@@ -7,8 +7,17 @@ restarts its whole worker group when one worker dies, and a replica's death must
 only in the object store. On a host with GPUs, agent r sees GPU r mod n (`CUDA_VISIBLE_DEVICES`)
 and its worker runs on `cuda:LOCAL_RANK`.
 
-`launch()` writes `run.json` (config, run key, store URL, fault plan, kill plan) first, waits for
-every agent, then merges the per-replica folders into the run folder: `summary.json` (built by
+Unplanned faults recover. Every replica has a restart budget (`restarts`, default 3, on top of
+one restart per planned `--kill`): its agent restarts a worker that died for any reason, and the
+launcher starts a new agent (with what is left of the budget) for an agent that was itself
+killed, after making sure its worker is gone. Survivors read each other's heartbeat leases
+(`crucible.distributed.liveness`, `lease_s`) and stop waiting for a peer that is dead, so a dead
+replica costs them at most one deadline. A replica that never returns (its budget spent, or
+killed for good) is reported (`distributed.lost`, a `process_lost` event) and the run completes
+without it, as long as one replica finished.
+
+`launch()` writes `run.json` (config, run key, store URL, fault plan, kill plan, lives per
+replica, lease) first, watches every agent until each is done, then merges the per-replica folders into the run folder: `summary.json` (built by
 the simulator's builder, `RunCounters.summary`, from counters rebuilt out of the replicas' round
 records and the agreed manifests, so it has every key the simulator's has; plus a `distributed`
 section),
@@ -23,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from crucible.config import Config, ConfigError
-from crucible.distributed.worker import check_distributed
+from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS, read_beat
+from crucible.distributed.worker import check_distributed, died_in, read_records
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key
@@ -40,7 +51,8 @@ from crucible.model_file import MODEL_FILE
 from crucible.store import KeyNotFound, Store, open_store
 from crucible.summary import RunCounters, write_bytes_atomic, write_json_atomic
 
-__all__ = ["Kill", "launch", "agent_command", "check_kills", "merge"]
+__all__ = ["Kill", "launch", "agent_command", "check_kills", "check_recovery", "lives_of",
+           "merge", "DEFAULT_RESTARTS", "DEFAULT_LEASE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +93,14 @@ def check_kills(kills: list[dict[str, Any]], config: Config) -> None:
                               f"{min(later)}; drop the later kill or use --kill")
 
 
+def lives_of(config: Config, kills: list[dict[str, Any]], *, restarts: int) -> list[int]:
+    """Per replica, how many processes (lives) it may have: one, `restarts` more for whatever
+    may kill it, and one more per planned kill (a replica killed for good gets one to learn it
+    is gone and exit)."""
+    return [1 + restarts + sum(1 for k in kills if k["replica"] == r)
+            for r in range(config.replicas)]
+
+
 def agent_command(run_dir: Path, replica: int, *, max_restarts: int) -> list[str]:
     """The torchrun command line of replica `replica`'s elastic agent."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -89,53 +109,125 @@ def agent_command(run_dir: Path, replica: int, *, max_restarts: int) -> list[str
             "--run-dir", str(run_dir), "--replica", str(replica)]
 
 
+def check_recovery(*, restarts: int, lease_s: float) -> None:
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        raise ConfigError(f"--restarts must be a whole number >= 0, got {restarts!r}")
+    if not (isinstance(lease_s, int | float) and lease_s >= 0 and lease_s == lease_s):
+        raise ConfigError(f"--lease-s must be a number of seconds >= 0 (0: no lease; peers "
+                          f"wait for a dead replica until each round's deadline), got {lease_s!r}")
+
+
 def launch(config: Config, *, out_dir: str | os.PathLike[str], plan: FaultPlan | None = None,
            kills: list[dict[str, Any]] | None = None, start_timeout_s: float = 300.0,
-           gpus: int | None = None) -> dict[str, Any]:
+           gpus: int | None = None, restarts: int = DEFAULT_RESTARTS,
+           lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
     """Run `config` with one process per replica; returns the merged summary (also written to
-    `out_dir/summary.json`). Raises ConfigError for what the distributed mode cannot run and
-    RuntimeError when a replica that was to finish did not."""
+    `out_dir/summary.json`). `restarts`: per replica, restarts for unplanned deaths of its
+    worker or agent; `lease_s`: the heartbeat lease after which peers count a silent replica as
+    dead (0: none). Raises ConfigError for what the distributed mode cannot run and
+    RuntimeError when no replica finished."""
     check_distributed(config)
+    check_recovery(restarts=restarts, lease_s=lease_s)
     kills = [dict(k) for k in (kills or [])]
     check_kills(kills, config)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     run_key = f"run-{uuid.uuid4().hex[:12]}"
     store_url = config.store.url or (out / "store").as_uri()
+    lives = lives_of(config, kills, restarts=restarts)
     write_json_atomic(out / "run.json", {
         "run_key": run_key, "store_url": store_url, "config": config.to_dict(),
         "plan": plan.to_list() if plan is not None else None, "kills": kills,
-        "start_timeout_s": start_timeout_s})
+        "start_timeout_s": start_timeout_s, "lives": lives, "lease_s": float(lease_s)})
     if gpus is None:
         import torch
         gpus = torch.cuda.device_count()
     started = time.time()
-    agents: list[subprocess.Popen[bytes]] = []
+    agents: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for r in range(config.replicas):
-            mine = [k for k in kills if k["replica"] == r]
-            restarts = sum(1 for k in mine if k["rejoin"])
-            env = dict(os.environ)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(r % gpus)
-            folder = out / "replicas" / f"replica-{r}"
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / "agent.log", "wb") as log_file:
-                agents.append(subprocess.Popen(agent_command(out, r, max_restarts=restarts),
-                                               env=env, stdout=log_file,
-                                               stderr=subprocess.STDOUT))
-        codes = [agent.wait() for agent in agents]
+            agents[r] = _start_agent(out, r, max_restarts=lives[r] - 1, gpus=gpus)
+        codes = _supervise(out, agents, lives, gpus=gpus)
     except BaseException:   # an interrupt, a test's timeout, a failed start: no orphans
-        _stop(agents)
+        _stop(list(agents.values()))
         raise
     wall_s = time.time() - started
     summary = merge(out, config, kills=kills, exit_codes=codes, wall_s=wall_s)
-    lost = {k["replica"] for k in kills if not k["rejoin"]}
-    failed = [r for r, code in enumerate(codes) if code != 0 and r not in lost]
-    if failed:
-        raise RuntimeError(f"replicas {failed} failed (exit codes "
-                           f"{[codes[r] for r in failed]}); see {out}/replicas/replica-*/agent.log")
+    for row in summary["distributed"]["lost"]:
+        log.warning("replica %d never came back (%s); the run completed without it",
+                    row["replica"], row["reason"])
     return summary
+
+
+def _start_agent(out: Path, replica: int, *, max_restarts: int,
+                 gpus: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = str(replica % gpus)
+    folder = out / "replicas" / f"replica-{replica}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "agent.log", "ab") as log_file:
+        agent = subprocess.Popen(agent_command(out, replica, max_restarts=max_restarts),
+                                 env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    write_json_atomic(folder / "agent.pid", {"pid": agent.pid, "replica": replica})
+    return agent
+
+
+def _lives_used(out: Path, replica: int) -> int:
+    return sum(1 for r in read_records(out / "replicas" / f"replica-{replica}" / "process.jsonl")
+               if r.get("kind") in ("start", "restart"))
+
+
+def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: list[int], *,
+               gpus: int) -> list[int]:
+    """Wait for every agent; an agent killed by a signal (not one that gave up on its worker)
+    is replaced while its replica has lives left and has not finished. Returns the exit codes."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(agents):
+        for r, agent in agents.items():
+            if r in codes or (code := agent.poll()) is None:
+                continue
+            folder = out / "replicas" / f"replica-{r}"
+            left = lives[r] - _lives_used(out, r)
+            if code < 0 and not (folder / "summary.json").exists() and left > 0:
+                _kill_orphan(folder)
+                log.warning("the agent of replica %d died (signal %d); starting a new one "
+                            "(%d lives left)", r, -code, left)
+                _append_record(folder / "process.jsonl", {
+                    "kind": "agent_lost", "replica": r, "signal": -code, "wall": time.time(),
+                    "global_step": -1})
+                agents[r] = _start_agent(out, r, max_restarts=left - 1, gpus=gpus)
+                continue
+            codes[r] = code
+        time.sleep(0.1)
+    return [codes[r] for r in range(len(agents))]
+
+
+def _kill_orphan(folder: Path) -> None:
+    """SIGKILL the worker a dead agent left behind, if one is left (where `PR_SET_PDEATHSIG`
+    is not available), and wait until it is gone: two processes must never train one replica."""
+    try:
+        pid = json.loads((folder / "worker.pid").read_text())["pid"]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError):
+        return
+    if b"crucible.distributed.worker" not in cmdline or str(folder.parent.parent).encode() \
+            not in cmdline:
+        return                      # that pid is some other process now
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _stop(agents: list[subprocess.Popen[bytes]], *, grace_s: float = 60.0) -> None:
@@ -156,9 +248,7 @@ def _stop(agents: list[subprocess.Popen[bytes]], *, grace_s: float = 60.0) -> No
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
@@ -194,9 +284,13 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
                     if m.get("name") != "val_loss" or r == first]
         process += _read_jsonl(folder / "process.jsonl")
         rounds[r] = {x["global_step"]: x for x in _read_jsonl(folder / "rounds.jsonl")}
+    process += _unrecorded_deaths(out, store, ident["run_key"], R, parts, process)
     # every process reports a `manifest_rejected` it passed over: one event per id
     events = list({e["id"]: e for e in _with_missing_events(events, agreed)}.values())
     events += _process_events(process)
+    events += [Event("process_lost", row["last_step"], replica=row["replica"],
+                     detail={"reason": row["reason"], "lives": row["lives"]}).to_dict()
+               for row in _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes)]
     events.sort(key=lambda e: (e["global_step"], e.get("replica") or 0, e["kind"]))
     through = _run_tokens(rounds, steps=lead["global_steps"])
     metrics = _with_run_tokens(metrics, through)
@@ -218,6 +312,7 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
         "replicas": R, "exit_codes": exit_codes, "finished": sorted(parts),
         "round_timeout_s": config.sparseloco.round_timeout_s,
         "kills": kills, "recoveries": _recoveries(process),
+        "lost": _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes),
         "final_val_loss_spread": max(finals) - min(finals),
         "missing_rounds": {str(r): sorted({g for (g, _), m in agreed.items()
                                            if r in m["missing"]}) for r in range(R)},
@@ -356,7 +451,7 @@ def _process_events(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in _recoveries(process):
         replica, killed = row["replica"], row["killed_at_step"]
         out.append(Event("process_killed", killed, replica=replica,
-                         detail={"killed_at_step": killed}).to_dict())
+                         detail={"killed_at_step": killed, "planned": row["planned"]}).to_dict())
         for kind, name in (("process_restarted", "restart"), ("process_rejoined", "rejoin")):
             if row[f"{name}_step"] is not None:
                 out.append(Event(kind, row[f"{name}_step"], replica=replica, detail={
@@ -365,13 +460,66 @@ def _process_events(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _unrecorded_deaths(out: Path, store: Store, run_key: str, R: int, parts: dict[int, Any],
+                       process: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A `kill` record for each replica whose last life died with no life after it to record
+    the death (its budget spent): unplanned, at the dead life's last heartbeat."""
+    out_records = []
+    for r in range(R):
+        mine = [p for p in process if p["replica"] == r]
+        starts = [p for p in mine if p["kind"] in ("start", "restart")]
+        if r in parts or not starts or starts[-1].get("gone"):
+            continue
+        life = len(starts) - 1
+        if any(p["kind"] == "kill" and p.get("life", 0) == life and p.get("planned", True)
+               for p in mine):
+            continue
+        beat = read_beat(store, run_key, r)
+        wall = beat["wall"] if beat is not None and beat["life"] == life else max(
+            p["wall"] for p in mine)
+        out_records.append({"kind": "kill", "global_step": died_in(out / "replicas" /
+                                                                    f"replica-{r}"),
+                            "replica": r, "wall": wall, "life": life, "planned": False,
+                            "rejoin": False, "recorded_by": "launcher"})
+    return out_records
+
+
+def _lost(R: int, parts: dict[int, Any], process: list[dict[str, Any]], lives: list[int],
+          exit_codes: list[int]) -> list[dict[str, Any]]:
+    """The replicas that did not finish: why, how many lives they had and the global step of
+    their last round (from their records)."""
+    out = []
+    for r in range(R):
+        if r in parts:
+            continue
+        mine = [p for p in process if p["replica"] == r]
+        forever = next((p for p in mine if p["kind"] == "kill" and p.get("rejoin") is False
+                        and p.get("planned", True)), None)
+        used = sum(1 for p in mine if p["kind"] in ("start", "restart"))
+        if forever is not None:
+            reason = f"killed for good at global step {forever['global_step']} (--kill-forever)"
+        elif used >= lives[r]:
+            reason = (f"its restart budget is spent: {used} lives of {lives[r]} "
+                      f"(agent exit code {exit_codes[r]})")
+        else:
+            reason = f"its agent exited with code {exit_codes[r]} after {used} lives"
+        steps = [p["global_step"] for p in mine if p["kind"] in ("kill", "caught_up")]
+        out.append({"replica": r, "reason": reason, "lives": used,
+                    "last_step": max(steps, default=0)})   # the step it was lost in
+    return out
+
+
 def _recoveries(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kill: when the process was back, caught up with the global weights and contributed
-    again, in global steps and in wall-clock seconds after the kill."""
+    """Per kill (planned, or an unplanned death the next life recorded): when the process was
+    back, caught up with the global weights and contributed again, in global steps and in
+    wall-clock seconds after the kill (for an unplanned one, after the dead life's last
+    heartbeat: an upper bound by one beat interval)."""
     out = []
     for kill in (p for p in process if p["kind"] == "kill"):
-        later = [p for p in process if p["replica"] == kill["replica"] and p["wall"] > kill["wall"]]
-        row: dict[str, Any] = {"replica": kill["replica"], "killed_at_step": kill["global_step"]}
+        later = [p for p in process if p["replica"] == kill["replica"] and p["wall"] > kill["wall"]
+                 and not p.get("gone")]
+        row: dict[str, Any] = {"replica": kill["replica"], "killed_at_step": kill["global_step"],
+                               "planned": kill.get("planned", True)}
         for kind, name in (("restart", "restart"), ("caught_up", "caught_up"),
                            ("first_contribution", "rejoin")):
             found = next((p for p in later if p["kind"] == kind), None)

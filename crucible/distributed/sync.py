@@ -4,7 +4,8 @@
 one replica row): it encodes only its own pseudo-gradients (with `encode_contributions_batched`
 for that one replica, which is bit-for-bit the simulator's row), uploads every stage's blob
 first, then, stage by stage, waits until every contribution the fault plan expects is in the
-store, a manifest of the round exists (another peer has agreed) or the round's deadline
+store (less those of peers whose heartbeat lease says they are gone, `liveness.PeerWatch`),
+a manifest of the round exists (another peer has agreed) or the round's deadline
 (`sparseloco.round_timeout_s` after the uploads) has passed, and agrees with
 `gather.agree(..., late_ok=True)`: a contribution that lands after another peer wrote the
 manifest is simply missing from that round. Aggregation and the outer step are the simulator's.
@@ -22,6 +23,7 @@ import time
 import torch
 
 from crucible.config import Config
+from crucible.distributed.liveness import PeerWatch
 from crucible.gather import (
     MAX_MANIFESTS,
     agree,
@@ -60,6 +62,7 @@ class ReplicaSync(OuterSync):
         # one error buffer row: this replica's (the base class holds R rows)
         self.errors = [{n: buf[:1].clone() for n, buf in errors.items()} for errors in self.errors]
         self.waits_s: list[float] = []       # per round: time spent waiting for peers
+        self.watch: PeerWatch | None = None  # the peers' leases (the worker sets it)
 
     # -- one round -------------------------------------------------------------------------------
     def synchronise(self, global_step: int, contributes: torch.Tensor) -> list[StageSyncResult]:
@@ -103,6 +106,8 @@ class ReplicaSync(OuterSync):
                                        if x.replica == mine}
             agreed.append(manifest)
         self.waits_s.append(waited)
+        if self.watch is not None:
+            self.watch.round_over()
         self._maybe_snapshot(global_step, agreed[0].included)
         return results
 
@@ -121,15 +126,22 @@ class ReplicaSync(OuterSync):
         return blobs[0]
 
     def _wait(self, global_step: int, stage: int, made: list[int], deadline: float) -> float:
-        """Poll the store until every expected contribution is in, a manifest of the round exists
-        or the deadline has passed; returns the seconds waited."""
+        """Poll the store until every expected contribution still worth waiting for is in (with
+        a `watch`, a peer known to be gone is not: `crucible.distributed.liveness`), a manifest
+        of the round exists or the deadline has passed; returns the seconds waited."""
         started = time.monotonic()
-        wanted = {contribution_key(self.run_key, global_step, stage, r) for r in made}
         manifest = manifest_key(self.run_key, global_step, stage)
         prefix = manifest.rsplit("/", 1)[0] + "/"
         while True:
             present = set(self.store.sizes(prefix))
-            if wanted <= present or manifest in present or time.monotonic() >= deadline:
+            if manifest in present or time.monotonic() >= deadline:
+                return time.monotonic() - started
+            if self.watch is not None:
+                self.watch.refresh()
+            wanted = {contribution_key(self.run_key, global_step, stage, r) for r in made
+                      if r == self.replica or self.watch is None
+                      or self.watch.waits_for(r, global_step)}
+            if wanted <= present:
                 return time.monotonic() - started
             time.sleep(_POLL_S)
 

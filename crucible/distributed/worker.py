@@ -19,14 +19,28 @@ or the whole replica idles for the round). `reroute` needs another replica's sta
 `drop_extend` a run-wide token count, so they are refused; so are `diloco` and `ddp` (no process
 group yet) and `store.keep_rounds` (a peer may still need a round another has finished).
 
-Real faults (`kills` in run.json): at the start of a planned global step the process records a
-`kill` record and SIGKILLs itself; the elastic agent starts it again, and the new process
-restores the current global weights from the store (`ReplicaSync.catch_up`) with fresh AdamW
-state and error feedback, then trains from the next round the peers have not agreed yet.
+Real faults. Planned ones (`kills` in run.json): at the start of a planned global step the
+process records a `kill` record and SIGKILLs itself. Unplanned ones: anything that ends the
+process (an outside `kill -9`, the OOM killer, a crash) or its agent. Either way the elastic agent
+starts it again (every replica has a restart budget, `lives` in run.json; the launcher restarts
+an agent that was itself killed), and the new process, its next *life*, restores the current
+global weights from the store (`ReplicaSync.catch_up`, once the round the last life died in is
+agreed without it) with fresh AdamW state and error feedback, then trains from the next round.
+A life counts its predecessors in `process.jsonl` (a `start` or `restart` record each); a death
+no `kill` record explains is recorded by the next life as an unplanned `kill`, at the last
+heartbeat of the dead life (so the recovery times it gives are upper bounds by one beat
+interval, `lease_s / 4`). Each life keeps a heartbeat lease in the store
+(`crucible.distributed.liveness`), which its peers read to stop waiting for it once it is dead.
+A replica killed for good (`--kill-forever`) says so in its last beat (`gone`); its next life
+exits at once.
+
+The process dies with its agent (`PR_SET_PDEATHSIG` on Linux), so a killed agent leaves no
+orphan training on beside its replacement.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -41,20 +55,26 @@ import torch
 from crucible.boundary import wire_bytes
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, token_digest
+from crucible.distributed.liveness import Heartbeat, PeerWatch, read_beat
 from crucible.distributed.sync import ReplicaSync
 from crucible.events import JsonlCallback
 from crucible.faults import FaultPlan
 from crucible.model_file import MODEL_FILE, save_global_weights
-from crucible.store import Store, open_store
+from crucible.store import LocalStore, Store, open_store
 from crucible.strategy import StepPlan
 from crucible.summary import write_json_atomic
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
-__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "main"]
+__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "died_in", "main",
+           "read_records", "HOLD_UPLOAD_ENV"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
+# test fault injection: "REPLICA:STEP:STAGE" makes that replica's first life stop inside the
+# upload of that contribution (its temporary file written, not yet linked in) and wait there to
+# be killed from outside; the file `holding-upload` in its folder says it is there
+HOLD_UPLOAD_ENV = "CRUCIBLE_FAULT_HOLD_UPLOAD"
 
 
 def check_distributed(config: Config) -> None:
@@ -121,16 +141,23 @@ class ReplicaTrainer(Trainer):
 
     def __init__(self, config: Config, *, replica: int, store: Store, run_key: str,
                  callback: JsonlCallback, device: torch.device, plan: FaultPlan | None = None,
-                 kills: list[int] | None = None, rejoined: bool = False) -> None:
+                 kills: list[int] | None = None, rejoin_after: int | None = None,
+                 heartbeat: Heartbeat | None = None, forever: frozenset[int] = frozenset()
+                 ) -> None:
+        """`rejoin_after`: for a restarted process, the global step its last life died in (the
+        new life waits until the peers agreed it, then catches up); None for the first life.
+        `forever`: the planned kills after which the replica does not come back."""
         check_distributed(config)
         self.replica = replica
         self.kills = sorted(kills or [])
+        self.forever = forever
+        self.heartbeat = heartbeat
         self.rejoined_at: int | None = None
         self.contributed = False
         super().__init__(config, store=store, run_key=run_key, callback=callback, plan=plan,
                          device=device, replicas=[replica])
-        if rejoined:
-            self._rejoin()
+        if rejoin_after is not None:
+            self._rejoin(rejoin_after)
 
     # -- what it injects into the simulator's trainer --------------------------------------------
     def _data_view(self, data: TokenData) -> _ReplicaData:
@@ -152,23 +179,29 @@ class ReplicaTrainer(Trainer):
                         replica=self.replica, replicas=self.config.replicas)
 
     # -- its own: kill, rejoin, round record -----------------------------------------------------
-    def _rejoin(self) -> None:
-        """A restarted process: the current global weights from the store (once the round it
-        was killed in is agreed without it), fresh AdamW state and error feedback (as built),
+    def _rejoin(self, died_in: int) -> None:
+        """A restarted process: the current global weights from the store (once the round its
+        last life died in is agreed without it), fresh AdamW state and error feedback (as built),
         the data stream moved past the rounds it missed."""
-        killed = [g for g in self.kills if _fired(self.callback.out_dir, g)]
         self.next_step = self.sync.catch_up(
-            through=max(killed, default=-1),
-            timeout_s=2 * self.config.sparseloco.round_timeout_s + 60)
+            through=died_in, timeout_s=2 * self.config.sparseloco.round_timeout_s + 60)
         self.rejoined_at = self.next_step
+        if self.heartbeat is not None:
+            self.heartbeat.update(state="training", **{"from": self.next_step})
         self.data.skip(batches=self.next_step * self.H, batch_size=self.config.train.batch_size)
         self.config = self.config.replace(train=_no_initial_eval(self.config))
 
     def _round_starts(self, g: int) -> None:
-        """A planned kill: record it, then SIGKILL this process (the elastic agent restarts it)."""
+        """The heartbeat names the round; a planned kill: record it, then SIGKILL this process
+        (the elastic agent restarts it; a replica killed for good says so in its last beat)."""
+        if self.heartbeat is not None:
+            self.heartbeat.update(round=g)
         if g in self.kills and not _fired(self.callback.out_dir, g):
-            _record(self.callback, "kill", g, self.replica)
+            _record(self.callback, "kill", g, self.replica, planned=True,
+                    rejoin=g not in self.forever)
             self.callback.flush()
+            if self.heartbeat is not None and g in self.forever:
+                self.heartbeat.stop("gone")
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _round_done(self, g: int, step: StepPlan, results: list[StageSyncResult]) -> None:
@@ -223,10 +256,77 @@ def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _record(callback: JsonlCallback, kind: str, g: int, replica: int) -> None:
+def _record(callback: JsonlCallback, kind: str, g: int, replica: int, *,
+            wall: float | None = None, **extra: Any) -> None:
     _append(Path(callback.out_dir) / "process.jsonl", {
-        "kind": kind, "global_step": g, "replica": replica, "wall": time.time(),
-        "restart": _restart_count()})
+        "kind": kind, "global_step": g, "replica": replica,
+        "wall": time.time() if wall is None else wall, "restart": _restart_count(),
+        "life": _life_of(Path(callback.out_dir)), **extra})
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path` ([] if absent). A last line a SIGKILL cut short is passed over
+    (with a warning); a bad line before the last is an error."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
+            log.warning("%s: passing over a torn last line (a process died writing it)", path)
+    return out
+
+
+_LIVES: dict[Path, int] = {}
+
+
+def _life_of(out: Path) -> int:
+    """This process's life: the number of lives recorded before it (set by `_begin_life`)."""
+    return _LIVES.get(Path(out), 0)
+
+
+def _begin_life(out: Path) -> int:
+    """Count the earlier lives of this replica (`start` / `restart` records) and remember it."""
+    life = sum(1 for r in read_records(out / "process.jsonl")
+               if r.get("kind") in ("start", "restart"))
+    _LIVES[Path(out)] = life
+    return life
+
+
+def died_in(out: Path) -> int:
+    """The global step the last life was in when it died: after its last round record, not
+    before a round it was to train from (`caught_up`) or was killed at (`kill`)."""
+    steps = [r["global_step"] + 1 for r in read_records(out / "rounds.jsonl")]
+    steps += [r["global_step"] for r in read_records(out / "process.jsonl")
+              if r.get("kind") in ("caught_up", "kill")]
+    return max(steps, default=0)
+
+
+def _explained(out: Path, life: int) -> dict[str, Any] | None:
+    """The planned `kill` record that ended life `life`, if one did."""
+    return next((r for r in read_records(out / "process.jsonl")
+                 if r.get("kind") == "kill" and r.get("planned", True)
+                 and r.get("life", 0) == life), None)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the elastic agent) dies, so that an agent
+    killed from outside leaves no orphan worker beside the one its replacement starts."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot ask to die with the agent (%s); a killed agent may leave this "
+                    "process behind until the launcher stops it", exc)
+        return
+    if os.getppid() != parent:     # the agent died before the request took effect
+        os._exit(1)
 
 
 def _append(path: Path, line: dict[str, Any]) -> None:
@@ -238,11 +338,10 @@ def _append(path: Path, line: dict[str, Any]) -> None:
 
 
 def _fired(out_dir: Path, g: int) -> bool:
-    path = Path(out_dir) / "process.jsonl"
-    if not path.exists():
-        return False
-    return any(json.loads(line).get("kind") == "kill" and json.loads(line)["global_step"] == g
-               for line in path.read_text().splitlines() if line.strip())
+    """Whether the planned kill at global step `g` has happened (an unplanned death recorded
+    at the same step is not it)."""
+    return any(r.get("kind") == "kill" and r["global_step"] == g and r.get("planned", True)
+               for r in read_records(Path(out_dir) / "process.jsonl"))
 
 
 def _device() -> torch.device:
@@ -262,40 +361,116 @@ def _wait_ready(store: Store, run_key: str, *, replicas: int, timeout_s: float) 
     log.warning("start barrier: not every replica is ready after %.0f s; starting", timeout_s)
 
 
-def run_replica(run_dir: Path, replica: int) -> dict[str, Any]:
-    """Run replica `replica` of the run described by `run_dir/run.json`; returns its summary."""
+def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
+    """Run replica `replica` of the run described by `run_dir/run.json`; returns its summary,
+    or None when the replica was killed for good in an earlier life (this life exits at once)."""
+    _die_with_parent()
     ident = json.loads((run_dir / "run.json").read_text())
     config = Config.from_dict(ident["config"])
-    store = open_store(ident["store_url"], endpoint_url=config.store.endpoint_url,
-                       region=config.store.region)
+
+    def connect() -> Store:
+        return open_store(ident["store_url"], endpoint_url=config.store.endpoint_url,
+                          region=config.store.region)
+
+    store = connect()
+    run_key = ident["run_key"]
     out = run_dir / "replicas" / f"replica-{replica}"
+    out.mkdir(parents=True, exist_ok=True)
     callback = JsonlCallback(out)
-    restart = _restart_count()
+    write_json_atomic(out / "worker.pid", {"pid": os.getpid(), "replica": replica})
     plan = FaultPlan.from_list(ident["plan"]) if ident.get("plan") is not None else None
-    kills = [k["global_step"] for k in ident.get("kills", []) if k["replica"] == replica]
+    mine = [k for k in ident.get("kills", []) if k["replica"] == replica]
+    kills = [k["global_step"] for k in mine]
+    forever = frozenset(k["global_step"] for k in mine if not k["rejoin"])
+    lives = ident.get("lives") or [1] * config.replicas
+    lease_s = float(ident.get("lease_s") or 0.0)
     device = _device()
-    if restart > 0:   # the process is back (the elastic agent started it again)
-        _record(callback, "restart", max((g for g in kills if _fired(out, g)), default=-1),
-                replica)
-    trainer = ReplicaTrainer(config, replica=replica, store=store, run_key=ident["run_key"],
+    life = _begin_life(out)
+    dead_round = None
+    if life > 0:   # the process is back (its agent started it again)
+        dead_round = died_in(out)
+        ended = _explained(out, life - 1)
+        if ended is not None and not ended.get("rejoin", True):
+            log.info("replica %d was killed for good at global step %d; not rejoining",
+                     replica, ended["global_step"])
+            _record(callback, "restart", ended["global_step"], replica, gone=True)
+            callback.close()
+            return None
+        if ended is None:   # nothing planned it: record the death at the last beat of that life
+            beat = read_beat(store, run_key, replica)
+            last = beat["wall"] if beat is not None and beat["life"] == life - 1 else None
+            _record(callback, "kill", dead_round, replica, planned=False, wall=last,
+                    rejoin=True, dead_life=life - 1)
+        _record(callback, "restart", dead_round, replica)
+    else:
+        _record(callback, "start", 0, replica)
+    heartbeat = None
+    if lease_s > 0:
+        heartbeat = Heartbeat(connect, run_key, replica=replica, life=life, lease_s=lease_s,
+                              start_from=0 if dead_round is None else dead_round + 1,
+                              state="training" if dead_round is None else "catching_up").start()
+    trainer = ReplicaTrainer(config, replica=replica, store=store, run_key=run_key,
                              callback=callback, device=device, plan=plan, kills=kills,
-                             rejoined=restart > 0)
-    ready = f"{ident['run_key']}/{READY_PREFIX}/replica-{replica}"
+                             rejoin_after=dead_round, heartbeat=heartbeat, forever=forever)
+    if lease_s > 0:
+        trainer.sync.watch = PeerWatch(store, run_key, replicas=config.replicas, me=replica,
+                                       lease_s=lease_s, lives=lives)
+    _maybe_hold_upload(trainer.sync, out, replica=replica, life=life)
+    ready = f"{run_key}/{READY_PREFIX}/replica-{replica}"
     store.put(ready, b"1")
-    if restart > 0:   # it holds the current global weights: it trains from next_step
+    if life > 0:   # it holds the current global weights: it trains from next_step
         _record(callback, "caught_up", trainer.next_step, replica)
     else:
-        _wait_ready(store, ident["run_key"], replicas=config.replicas,
+        _wait_ready(store, run_key, replicas=config.replicas,
                     timeout_s=float(ident.get("start_timeout_s", 300.0)))
     summary = trainer.run()
     callback.flush()
-    summary.update(replica=replica, restarts=restart, rejoined_at=trainer.rejoined_at,
+    summary.update(replica=replica, restarts=life, rejoined_at=trainer.rejoined_at,
                    round_waits_s=trainer.sync.waits_s, device=str(device),
                    versions=_versions(device), data_digest=trainer.data.digest())
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
     write_json_atomic(out / "summary.json", summary)
+    if heartbeat is not None:
+        heartbeat.stop("done")
     callback.close()
     return summary
+
+
+class _HoldingStore:
+    """The store, except that one contribution's upload stops half way (`HOLD_UPLOAD_ENV`)."""
+
+    def __init__(self, store: LocalStore, key: str, marker: Path) -> None:
+        self._store, self._key, self._marker = store, key, marker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key != self._key:
+            return self._store.put_if_absent(key, data)
+        tmp = self._store._write_temp(self._store._path(key), bytes(data))
+        write_json_atomic(self._marker, {"key": key, "temporary": tmp, "pid": os.getpid()})
+        log.warning("fault injection: holding inside the upload of %s until killed", key)
+        while True:
+            time.sleep(1.0)
+
+
+def _maybe_hold_upload(sync: ReplicaSync, out: Path, *, replica: int, life: int) -> None:
+    text = os.environ.get(HOLD_UPLOAD_ENV, "")
+    if not text or life > 0:
+        return
+    try:
+        r, step, stage = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"{HOLD_UPLOAD_ENV}={text!r}: expected REPLICA:STEP:STAGE") from None
+    if r != replica:
+        return
+    if not isinstance(sync.store, LocalStore):
+        raise ConfigError(f"{HOLD_UPLOAD_ENV} needs a file:// store (it stops a LocalStore "
+                          "write half way)")
+    from crucible.gather import contribution_key
+    sync.store = _HoldingStore(sync.store, contribution_key(sync.run_key, step, stage, replica),
+                               out / "holding-upload")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,13 @@ GPUs; only the rendering is tested, tests/unit/test_k8s_render.py).
     python -m infra.k8s.render --replicas 4 --image registry.example.com/crucible:gpu \\
         --store s3://crucible/dist --endpoint-url http://minio.crucible:9000 \\
         [--preset smoke] [--set key=value ...] [--kill R@STEP ...] [--kill-forever R@STEP ...] \\
-        [--name NAME] [--storage-class CLASS] > run.yaml
+        [--restarts N] [--lease-s S] [--name NAME] [--storage-class CLASS] > run.yaml
     kubectl apply -f run.yaml
 
 What it renders, and why (the same layout `crucible.distributed.launch.launch` makes on one host):
 
-- ConfigMap `NAME-run`: `run.json` (config, run key, store URL, kill plan), the file every worker
+- ConfigMap `NAME-run`: `run.json` (config, run key, store URL, kill plan, lives per replica,
+  heartbeat lease), the file every worker
   reads from its run folder. Rendered here, once, so every pod sees the same run key.
 - PersistentVolumeClaim `NAME-run` (ReadWriteMany): the run folder shared by every pod. The worker
   writes `replicas/replica-r/` there and `launch.merge` reads all replica folders from one
@@ -17,15 +18,17 @@ What it renders, and why (the same layout `crucible.distributed.launch.launch` m
 - One Job per replica, `NAME-replica-r` (one pod, one GPU: `nvidia.com/gpu`), running the
   replica's elastic agent exactly as `launch.agent_command` builds it (`python -m
   torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 --max-restarts K ... -m
-  crucible.distributed.worker --run-dir /crucible/run --replica r`), K = the replica's planned
-  `--kill`s. Restarts are the agent's, inside the pod: `restartPolicy: Never`, `backoffLimit: 0`,
-  because a restarted container would start the worker with restart count 0, i.e. as a fresh
-  replica from step 0, not as a rejoin. One Job per replica (not one indexed Job) because K
-  differs per replica, and a failed replica (`--kill-forever`) must not fail the others. A
+  crucible.distributed.worker --run-dir /crucible/run --replica r`), K = the replica's restart
+  budget (`--restarts`, default 3, for unplanned deaths) plus its planned `--kill`s, as `launch`
+  gives it. Restarts are the agent's, inside the pod: `restartPolicy: Never`, `backoffLimit: 0`
+  (a worker counts its lives in the shared folder, so a restarted container would rejoin too,
+  but the budget is the agent's to spend). One Job per replica (not one indexed Job) because K
+  differs per replica, and a replica that never comes back must not fail the others. A
   wrapper writes the agent's exit code to `replicas/replica-r/exit-code`.
 - Job `NAME-merge`: waits for every replica's `exit-code`, then runs `launch.merge` on the shared
-  folder (`summary.json`, `events.jsonl`, `metrics.jsonl`, `process.jsonl`, `model.pt`); exits 1
-  when a replica that was to finish did not (as `launch` raises).
+  folder (`summary.json`, `events.jsonl`, `metrics.jsonl`, `process.jsonl`, `model.pt`); prints
+  the replicas that never came back (`lost`) and exits 1 only when no replica finished (as
+  `launch`).
 
 The store: `--store s3://bucket/prefix` (+ `--endpoint-url` for MinIO) goes into the config as
 `store.url` / `store.endpoint_url`; credentials come from the Secret `--s3-secret` (keys
@@ -45,6 +48,7 @@ from typing import Any
 import yaml
 
 from crucible.config import Config, ConfigError, apply_overrides
+from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS
 
 __all__ = ["MERGE_SCRIPT", "RUN_DIR", "render", "main"]
 
@@ -65,11 +69,9 @@ codes = [int((out / "replicas" / f"replica-{r}" / "exit-code").read_text())
          for r in range(config.replicas)]
 summary = merge(out, config, kills=ident["kills"], exit_codes=codes,
                 wall_s=time.time() - (out / "run.json").stat().st_mtime)
-lost = {k["replica"] for k in ident["kills"] if not k["rejoin"]}
-failed = [r for r, code in enumerate(codes) if code != 0 and r not in lost]
+lost = summary["distributed"]["lost"]
 keys = ("final_val_loss", "global_steps", "tokens_processed", "contributions")
-print(json.dumps({k: summary[k] for k in keys} | {"failed": failed}))
-sys.exit(1 if failed else 0)
+print(json.dumps({k: summary[k] for k in keys} | {"lost": lost}))
 """
 
 
@@ -110,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "(default: render one)")
     p.add_argument("--storage-class", help="storage class of the rendered ReadWriteMany claim")
     p.add_argument("--volume-size", default="20Gi", help="size of the rendered claim")
+    p.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
+                   help="per replica, restarts for unplanned deaths (planned --kill restarts "
+                        f"come on top; default {DEFAULT_RESTARTS})")
+    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                   help="heartbeat lease after which peers count a silent replica as dead "
+                        f"(default {DEFAULT_LEASE_S:g}; 0: none)")
     p.add_argument("--start-timeout-s", type=float, default=900.0,
                    help="how long replicas wait for each other at the start (image pulls)")
     return p
@@ -163,11 +171,16 @@ def _check(args: argparse.Namespace) -> tuple[Config, list[dict[str, Any]]]:
 
 def render(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The Kubernetes objects of the run `args` describes (raises ConfigError for bad input)."""
+    from crucible.distributed.launch import check_recovery, lives_of
+
     config, kills = _check(args)
+    check_recovery(restarts=args.restarts, lease_s=args.lease_s)
+    lives = lives_of(config, kills, restarts=args.restarts)
     run_key = args.run_key or f"run-{uuid.uuid4().hex[:12]}"
     ident = {"run_key": run_key, "store_url": config.store.url or f"file://{RUN_DIR}/store",
              "config": config.to_dict(), "plan": None, "kills": kills,
-             "start_timeout_s": args.start_timeout_s}
+             "start_timeout_s": args.start_timeout_s, "lives": lives,
+             "lease_s": float(args.lease_s)}
     labels = {"app.kubernetes.io/name": "crucible", "crucible.io/run": args.name}
     claim = args.claim or f"{args.name}-run"
     objects: list[dict[str, Any]] = [{
@@ -182,8 +195,7 @@ def render(args: argparse.Namespace) -> list[dict[str, Any]]:
         objects.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                         "metadata": {"name": claim, "labels": labels}, "spec": spec})
     for r in range(config.replicas):
-        restarts = sum(1 for k in kills if k["replica"] == r and k["rejoin"])
-        objects.append(_replica_job(args, labels, claim, r, restarts, config))
+        objects.append(_replica_job(args, labels, claim, r, lives[r] - 1, config))
     objects.append(_merge_job(args, labels, claim, config.replicas))
     return objects
 

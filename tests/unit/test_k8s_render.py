@@ -37,6 +37,8 @@ def test_four_replicas_render_one_gpu_job_each_with_the_store_and_worker_command
     ident = json.loads(config_map["data"]["run.json"])
     assert ident["run_key"] == "run-k8stest" and ident["store_url"] == "s3://crucible/dist"
     assert ident["config"]["replicas"] == 4
+    # every replica's restart budget (default 3) plus one per planned kill, and the lease
+    assert (ident["lives"], ident["lease_s"]) == ([4, 4, 5, 5], 5.0)
     assert ident["config"]["store"]["endpoint_url"] == "http://minio:9000"
     assert ident["kills"] == [{"replica": 2, "global_step": 3, "rejoin": True},
                               {"replica": 3, "global_step": 5, "rejoin": False}]
@@ -53,7 +55,8 @@ def test_four_replicas_render_one_gpu_job_each_with_the_store_and_worker_command
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
         script = container["command"][-1]
-        restarts = 1 if r == 2 else 0                # one --kill for replica 2; none otherwise
+        # the default budget of 3 for every replica, and one more per planned kill
+        restarts = 3 + (1 if r in (2, 3) else 0)
         assert (f"python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 "
                 f"--max-restarts {restarts} --monitor-interval 0.1 -m crucible.distributed.worker "
                 f"--run-dir {RUN_DIR} --replica {r}\n") in script
@@ -131,7 +134,7 @@ def test_the_merge_step_merges_a_real_run_like_launch(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     merged = json.loads((pods / "summary.json").read_text())
-    assert printed["failed"] == []
+    assert printed["lost"] == []
     for key in ("final_val_loss", "tokens_processed", "contributions", "inner_steps", "bytes"):
         assert merged[key] == summary[key], key
     assert (pods / "model.pt").exists() and (pods / "events.jsonl").exists()
