@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as runtime_flow_run
 
 from crucible.config import Config, ConfigError
+from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS, check_recovery
 from crucible.ids import validate_id
 from crucible.registry.reporting import ApiUnavailable, RecordsOwed
 from flows.errors import describe
@@ -88,7 +89,8 @@ def _launch_folder(run_dir: Path) -> Path:
 
 @task(name="launch-distributed", cache_policy=NO_CACHE)
 def launch_task(config: Config, run_id: str, out_dir: Path, kills: list[dict[str, Any]],
-                settings: FlowSettings) -> dict[str, Any]:
+                settings: FlowSettings, *, restarts: int = DEFAULT_RESTARTS,
+                lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
     """Hold a GPU slot, mark the run running, launch the replicas; returns the merged summary."""
     from crucible.distributed.launch import launch  # torch-heavy: only where it runs
 
@@ -99,7 +101,7 @@ def launch_task(config: Config, run_id: str, out_dir: Path, kills: list[dict[str
             client.update_run(run_id, status="running")
         logger.info("distributed run %s: %d replica processes in %s, slot %s, kills %s",
                     run_id, config.replicas, out_dir, slot, kills or "none")
-        return launch(config, out_dir=out_dir, kills=kills)
+        return launch(config, out_dir=out_dir, kills=kills, restarts=restarts, lease_s=lease_s)
 
 
 @task(name="report-records", cache_policy=NO_CACHE)
@@ -145,16 +147,21 @@ def _mark(status: str, lead: str):
 def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, nproc: int = 2,
                     kills: list[str] | None = None, kills_forever: list[str] | None = None,
                     store_url: str | None = None, sweep_id: str | None = None,
-                    run_id: str | None = None) -> dict[str, Any]:
+                    run_id: str | None = None, restarts: int = DEFAULT_RESTARTS,
+                    lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
     """Run `preset` with `overrides` in distributed mode, one process per replica (`nproc`
     replicas), on this worker host, and record it in the registry.
 
     `kills` (`REPLICA@GLOBAL_STEP`, e.g. `1@3`) SIGKILL that replica at the start of that step;
-    its elastic agent restarts it and it rejoins from the store. `kills_forever` likewise, with
-    no restart. `store_url` is the shared object store the contributions travel through
-    (`<store_url>/runs/<fingerprint>`; empty: the worker's CRUCIBLE_STORE_URL, else a folder in
-    the run folder). Returns {run_id, status, owed_records, final_val_loss, reason, out_dir,
-    contributions, recoveries}; raises (the flow run fails) when a replica failed.
+    its elastic agent restarts it and it rejoins from the store. `kills_forever` likewise, and
+    the replica does not come back. `restarts`: per replica, restarts for unplanned deaths of
+    its worker or agent; `lease_s`: the heartbeat lease after which peers stop waiting for a
+    silent replica (crucible.distributed.launch). `store_url` is the shared object store the
+    contributions travel through (`<store_url>/runs/<fingerprint>`; empty: the worker's
+    CRUCIBLE_STORE_URL, else a folder in the run folder). Returns {run_id, status,
+    owed_records, final_val_loss, reason, out_dir, contributions, recoveries, lost}; a replica
+    that never came back is in `lost` (the run completes without it); raises (the flow run
+    fails) when no replica finished.
     """
     if run_id is not None:
         validate_id(run_id, field="run_id")
@@ -163,6 +170,7 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
     settings = FlowSettings()
     planned = (parse_kills(kills or [], rejoin=True)
                + parse_kills(kills_forever or [], rejoin=False))
+    check_recovery(restarts=restarts, lease_s=lease_s)
     config = resolve_distributed_config(preset, overrides or [], nproc, planned,
                                         store_url or settings.store_url,
                                         settings.s3_endpoint_url)
@@ -172,7 +180,8 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
                                     "Crucible API.")
     out_dir = _launch_folder(settings.work_dir.resolve() / "runs" / run_id)
     try:
-        summary = launch_task(config, run_id, out_dir, planned, settings)
+        summary = launch_task(config, run_id, out_dir, planned, settings, restarts=restarts,
+                              lease_s=lease_s)
         report_records(run_id, out_dir, settings)
     except Exception as exc:
         reason = describe(exc)
@@ -185,7 +194,8 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
     result = {"run_id": run_id, "out_dir": str(out_dir),
               "final_val_loss": summary.get("final_val_loss"),
               "contributions": summary.get("contributions"),
-              "recoveries": summary["distributed"]["recoveries"]}
+              "recoveries": summary["distributed"]["recoveries"],
+              "lost": summary["distributed"]["lost"]}
     try:
         finish_run(run_id, settings, summary=summary)
     except ApiUnavailable as exc:

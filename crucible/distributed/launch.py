@@ -41,8 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from crucible.config import Config, ConfigError
-from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS, read_beat
-from crucible.distributed.worker import check_distributed, died_in, read_records
+from crucible.distributed.liveness import (
+    DEFAULT_LEASE_S,
+    DEFAULT_RESTARTS,
+    check_recovery,
+    read_beat,
+)
+from crucible.distributed.worker import check_distributed, died_in, read_records, repair_torn_line
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key
@@ -105,16 +110,8 @@ def agent_command(run_dir: Path, replica: int, *, max_restarts: int) -> list[str
     """The torchrun command line of replica `replica`'s elastic agent."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.1", "-m", "crucible.distributed.worker",
+            "--monitor-interval", "0.1", "-m", "crucible.distributed.run_worker",
             "--run-dir", str(run_dir), "--replica", str(replica)]
-
-
-def check_recovery(*, restarts: int, lease_s: float) -> None:
-    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
-        raise ConfigError(f"--restarts must be a whole number >= 0, got {restarts!r}")
-    if not (isinstance(lease_s, int | float) and lease_s >= 0 and lease_s == lease_s):
-        raise ConfigError(f"--lease-s must be a number of seconds >= 0 (0: no lease; peers "
-                          f"wait for a dead replica until each round's deadline), got {lease_s!r}")
 
 
 def launch(config: Config, *, out_dir: str | os.PathLike[str], plan: FaultPlan | None = None,
@@ -190,7 +187,7 @@ def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: lis
             folder = out / "replicas" / f"replica-{r}"
             left = lives[r] - _lives_used(out, r)
             if code < 0 and not (folder / "summary.json").exists() and left > 0:
-                _kill_orphan(folder)
+                _kill_orphan(out, r)
                 log.warning("the agent of replica %d died (signal %d); starting a new one "
                             "(%d lives left)", r, -code, left)
                 _append_record(folder / "process.jsonl", {
@@ -199,31 +196,47 @@ def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: lis
                 agents[r] = _start_agent(out, r, max_restarts=left - 1, gpus=gpus)
                 continue
             codes[r] = code
+            if not (folder / "summary.json").exists():
+                _mark_gone(out, r)
         time.sleep(0.1)
     return [codes[r] for r in range(len(agents))]
 
 
-def _kill_orphan(folder: Path) -> None:
-    """SIGKILL the worker a dead agent left behind, if one is left (where `PR_SET_PDEATHSIG`
-    is not available), and wait until it is gone: two processes must never train one replica."""
+def _mark_gone(out: Path, replica: int) -> None:
+    """Tell the peers in the store that `replica` will not come back (its agent gave up), so
+    that none of them waits for it again, even one that never saw it beat."""
+    from crucible.distributed.liveness import write_gone
+
+    ident = json.loads((out / "run.json").read_text())
+    config = ident["config"]["store"]
     try:
-        pid = json.loads((folder / "worker.pid").read_text())["pid"]
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError, KeyError):
-        return
-    if b"crucible.distributed.worker" not in cmdline or str(folder.parent.parent).encode() \
-            not in cmdline:
-        return                      # that pid is some other process now
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+        store = open_store(ident["store_url"], endpoint_url=config.get("endpoint_url"),
+                           region=config.get("region"))
+        write_gone(store, ident["run_key"], replica)
+    except Exception as exc:          # advice to the peers: the run goes on without it
+        log.warning("could not mark replica %d gone in the store: %s", replica, exc)
+
+
+def _kill_orphan(out: Path, replica: int) -> None:
+    """SIGKILL every worker of `replica` a dead agent left behind (where `PR_SET_PDEATHSIG`
+    did not take), found by command line, and wait until they are gone: two processes must
+    never train one replica."""
+    from crucible.distributed.outside import worker_pids
+
+    pids = worker_pids(out, replica=replica)
+    for pid in pids:
+        log.warning("replica %d: killing worker %d, left behind by its dead agent", replica, pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 def _append_record(path: Path, record: dict[str, Any]) -> None:
+    repair_torn_line(path)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(record) + "\n")
         fh.flush()
@@ -307,13 +320,14 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
     # model: eval_tokens, alignment, mapl_bases), its versions and the corpus digest
     summary.update({k: v for k, v in lead.items() if k not in summary and k not in _REPLICA_ONLY})
     summary["run_key"], summary["store_url"] = ident["run_key"], ident["store_url"]
-    finals = [p["final_val_loss"] for p in parts.values()]
+    finals = [p["final_val_loss"] for p in parts.values() if p["final_val_loss"] is not None]
     summary["distributed"] = {
         "replicas": R, "exit_codes": exit_codes, "finished": sorted(parts),
         "round_timeout_s": config.sparseloco.round_timeout_s,
+        "lease_s": ident.get("lease_s", 0.0), "lives": ident.get("lives") or [1] * R,
         "kills": kills, "recoveries": _recoveries(process),
         "lost": _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes),
-        "final_val_loss_spread": max(finals) - min(finals),
+        "final_val_loss_spread": max(finals) - min(finals) if finals else None,
         "missing_rounds": {str(r): sorted({g for (g, _), m in agreed.items()
                                            if r in m["missing"]}) for r in range(R)},
         "trained_rounds": {str(r): sorted(rounds[r]) for r in range(R)},
@@ -516,8 +530,12 @@ def _recoveries(process: list[dict[str, Any]]) -> list[dict[str, Any]]:
     heartbeat: an upper bound by one beat interval)."""
     out = []
     for kill in (p for p in process if p["kind"] == "kill"):
-        later = [p for p in process if p["replica"] == kill["replica"] and p["wall"] > kill["wall"]
-                 and not p.get("gone")]
+        mine = [p for p in process if p["replica"] == kill["replica"] and not p.get("gone")]
+        if "life" in kill:           # the lives after the one that died
+            dead = kill.get("dead_life", kill["life"])
+            later = [p for p in mine if p.get("life", -1) > dead]
+        else:                        # records from before lives were counted
+            later = [p for p in mine if p["wall"] > kill["wall"]]
         row: dict[str, Any] = {"replica": kill["replica"], "killed_at_step": kill["global_step"],
                                "planned": kill.get("planned", True)}
         for kind, name in (("restart", "restart"), ("caught_up", "caught_up"),

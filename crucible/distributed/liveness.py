@@ -29,21 +29,33 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from crucible.config import ConfigError
 from crucible.store import KeyNotFound, Store, StoreError
 
-__all__ = ["Heartbeat", "PeerWatch", "beat_key", "read_beat", "BEAT_MAX_BYTES",
-           "DEFAULT_LEASE_S", "DEFAULT_RESTARTS"]
+__all__ = ["Heartbeat", "PeerWatch", "beat_key", "check_recovery", "read_beat", "write_gone",
+           "BEAT_MAX_BYTES", "DEFAULT_LEASE_S", "DEFAULT_RESTARTS"]
 
 log = logging.getLogger(__name__)
 DEFAULT_RESTARTS = 3      # per replica, for unplanned deaths (`crucible launch --restarts`)
 DEFAULT_LEASE_S = 5.0     # `crucible launch --lease-s`
 BEAT_MAX_BYTES = 4096
 STATES = frozenset({"training", "catching_up", "gone", "done"})
+
+
+def check_recovery(*, restarts: int, lease_s: float) -> None:
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        raise ConfigError(f"restarts (--restarts) must be a whole number >= 0, got "
+                          f"{restarts!r}")
+    if not (isinstance(lease_s, int | float) and lease_s >= 0 and lease_s == lease_s):
+        raise ConfigError(f"lease_s (--lease-s) must be a number of seconds >= 0 (0: no "
+                          "lease; peers wait for a dead replica until each round's deadline), "
+                          f"got {lease_s!r}")
 
 
 def beat_key(run: str, replica: int) -> str:
@@ -60,23 +72,37 @@ def read_beat(store: Store, run: str, replica: int) -> dict[str, Any] | None:
     except (StoreError, ValueError) as exc:
         log.warning("heartbeat of replica %d unreadable (%s); treated as absent", replica, exc)
         return None
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
     ok = (isinstance(body, dict) and body.get("replica") == replica
           and body.get("state") in STATES
-          and all(isinstance(body.get(k), int) and not isinstance(body.get(k), bool)
-                  and body[k] >= 0 for k in ("life", "seq"))
-          and all(body.get(k) is None or (isinstance(body[k], int) and body[k] >= 0)
-                  for k in ("from", "round"))
-          and isinstance(body.get("wall"), int | float))
+          and count(body.get("life")) and count(body.get("seq"))
+          and all(body.get(k) is None or count(body[k]) for k in ("from", "round"))
+          and isinstance(body.get("wall"), int | float) and not isinstance(body["wall"], bool)
+          and math.isfinite(body["wall"]))
     if not ok:
         log.warning("heartbeat of replica %d is malformed; treated as absent", replica)
         return None
     return body
 
 
+def write_gone(store: Store, run: str, replica: int) -> None:
+    """A last beat for a replica that will not come back, written by someone else (the
+    launcher, once the replica's agent gave up): its peers stop waiting for it at once."""
+    beat = read_beat(store, run, replica)
+    body = {"replica": replica, "life": beat["life"] if beat else 0,
+            "seq": (beat["seq"] + 1) if beat else 1, "state": "gone",
+            "from": beat["from"] if beat else None, "round": beat["round"] if beat else None,
+            "wall": time.time()}
+    store.put(beat_key(run, replica), json.dumps(body, sort_keys=True).encode(), durable=False)
+
+
 class Heartbeat:
     """This process's lease: `start()` begins beating from a daemon thread (with a store of its
-    own), `update(...)` changes what the next beat says (and beats at once), `stop(state)`
-    writes a last beat and ends the thread."""
+    own), `update(...)` changes what the next beat says and writes it at once, `stop(state)`
+    writes a last beat and ends the thread. A beat that cannot be written is logged, never
+    raised: the lease is advice to the peers, and training must not die of it."""
 
     def __init__(self, store_factory: Callable[[], Store], run: str, *, replica: int, life: int,
                  lease_s: float, start_from: int | None, state: str = "training") -> None:
@@ -111,18 +137,20 @@ class Heartbeat:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._beat()
-            except Exception as exc:            # a store hiccup: the next beat may succeed
-                log.warning("heartbeat: %s", exc)
+            self._beat()
 
     def _beat(self) -> None:
+        """Write the body with the next sequence number (one writer at a time, so a later body
+        never lands before an earlier one)."""
+        assert self._store is not None, "start() first"
         with self._lock:
             self._body["seq"] += 1
             self._body["wall"] = time.time()
             data = json.dumps(self._body, sort_keys=True).encode()
-        assert self._store is not None, "start() first"
-        self._store.put(beat_key(self.run, self.replica), data, durable=False)
+            try:
+                self._store.put(beat_key(self.run, self.replica), data, durable=False)
+            except Exception as exc:       # a store hiccup: the next beat may succeed
+                log.warning("heartbeat of replica %d not written: %s", self.replica, exc)
 
 
 class PeerWatch:
@@ -138,7 +166,6 @@ class PeerWatch:
         self.changed_at: dict[int, float] = {}
         self._read_at = -float("inf")
         self._awaited: dict[int, int] = {}         # replica -> the dead life already waited for
-        self._awaiting: dict[int, int] = {}        # this round: replica -> dead life waited for
 
     def refresh(self, *, force: bool = False) -> None:
         now = self.clock()
@@ -170,26 +197,16 @@ class PeerWatch:
         died_in = beat["round"] if beat["round"] is not None else start
         if global_step <= died_in:
             return False
-        if beat["life"] + 1 < self.lives[r] and self._awaited.get(r) != beat["life"]:
-            self._awaiting[r] = beat["life"]
-            return True
-        return False
+        return beat["life"] + 1 < self.lives[r] and self._awaited.get(r) != beat["life"]
 
-    def round_over(self) -> None:
-        """After a round: a dead life waited for once is not waited for again."""
-        for r, life in self._awaiting.items():
-            beat = self.beats.get(r)
-            if beat is not None and beat["life"] == life and not self.fresh(r):
-                self._awaited[r] = life
-        self._awaiting.clear()
-
-    def gone(self) -> list[int]:
-        """Peers not waited for at all any more: gone, or dead with no life left."""
-        out = []
+    def round_over(self, global_step: int) -> None:
+        """After round `global_step`: a dead life that could have been waited for in it (it
+        died in an earlier round) has had its one wait, whether or not this process got to
+        ask (another peer's manifest may have ended the round first)."""
         for r in self.peers:
             beat = self.beats.get(r)
-            if beat is None or self.fresh(r) and beat["state"] not in ("gone", "done"):
+            if beat is None or self.fresh(r) or beat["state"] in ("gone", "done"):
                 continue
-            if beat["state"] == "gone" or beat["life"] + 1 >= self.lives[r]:
-                out.append(r)
-        return out
+            died_in = beat["round"] if beat["round"] is not None else (beat["from"] or 0)
+            if died_in < global_step:
+                self._awaited[r] = beat["life"]

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from crucible.distributed.worker import read_records
 
-__all__ = ["pid_of", "kill", "wait_for", "wait_for_rounds", "rounds_of", "holding_upload"]
+__all__ = ["pid_of", "worker_pids", "kill", "wait_for", "wait_for_rounds", "rounds_of",
+           "holding_upload"]
 
-_COMMAND = {"worker": b"crucible.distributed.worker", "agent": b"torch.distributed.run"}
+_COMMAND = {"worker": b"crucible.distributed.run_worker", "agent": b"torch.distributed.run"}
 
 
 def pid_of(run_dir: Path, *, replica: int, what: str) -> int | None:
@@ -38,6 +39,24 @@ def pid_of(run_dir: Path, *, replica: int, what: str) -> int | None:
             str(Path(run_dir).resolve()).encode() in a for a in argv):
         return None
     return int(pid)
+
+
+def worker_pids(run_dir: Path, *, replica: int) -> list[int]:
+    """Every live worker process of replica `replica` of the run in `run_dir`, by their
+    command lines (`/proc`), whatever `worker.pid` says."""
+    want = [_COMMAND["worker"], b"--run-dir", str(Path(run_dir).resolve()).encode(),
+            b"--replica", str(replica).encode()]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:                   # gone meanwhile, or not ours to read
+            continue
+        if all(w in argv for w in want) and argv[argv.index(b"--replica") + 1] == want[-1]:
+            found.append(int(entry.name))
+    return found
 
 
 def kill(run_dir: Path, *, replica: int, what: str = "worker") -> float:

@@ -107,7 +107,7 @@ class ReplicaSync(OuterSync):
             agreed.append(manifest)
         self.waits_s.append(waited)
         if self.watch is not None:
-            self.watch.round_over()
+            self.watch.round_over(global_step)
         self._maybe_snapshot(global_step, agreed[0].included)
         return results
 

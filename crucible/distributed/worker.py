@@ -1,7 +1,7 @@
 """One replica of a distributed run: its S stages in one OS process, started by torchrun.
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 --max-restarts K \\
-        -m crucible.distributed.worker --run-dir DIR --replica r
+        -m crucible.distributed.run_worker --run-dir DIR --replica r
 
 The process is the simulator's replica r, restricted to it: the same model code with one replica
 row (`ReplicatedPipeline` with R' = 1), the same data stream (`generator(seed, DATA_STREAM, r)`),
@@ -34,13 +34,13 @@ interval, `lease_s / 4`). Each life keeps a heartbeat lease in the store
 A replica killed for good (`--kill-forever`) says so in its last beat (`gone`); its next life
 exits at once.
 
-The process dies with its agent (`PR_SET_PDEATHSIG` on Linux), so a killed agent leaves no
+The process dies with its agent (`PR_SET_PDEATHSIG` on Linux, armed by its entry point
+`crucible.distributed.run_worker` before anything is imported), so a killed agent leaves no
 orphan training on beside its replacement.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -67,7 +67,7 @@ from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
 __all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "died_in", "main",
-           "read_records", "HOLD_UPLOAD_ENV"]
+           "read_records", "repair_torn_line", "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
@@ -75,6 +75,9 @@ READY_PREFIX = "ready"
 # upload of that contribution (its temporary file written, not yet linked in) and wait there to
 # be killed from outside; the file `holding-upload` in its folder says it is there
 HOLD_UPLOAD_ENV = "CRUCIBLE_FAULT_HOLD_UPLOAD"
+# likewise "REPLICA": that replica's first life stops after its last round's record, before the
+# final evaluation (`holding-final` says it is there)
+HOLD_FINAL_ENV = "CRUCIBLE_FAULT_HOLD_FINAL"
 
 
 def check_distributed(config: Config) -> None:
@@ -182,14 +185,25 @@ class ReplicaTrainer(Trainer):
     def _rejoin(self, died_in: int) -> None:
         """A restarted process: the current global weights from the store (once the round its
         last life died in is agreed without it), fresh AdamW state and error feedback (as built),
-        the data stream moved past the rounds it missed."""
+        the data stream moved past the rounds it missed. A life that died after the last round
+        (in the final evaluation) leaves only that evaluation to do (`run`)."""
+        last = self.config.train.global_steps - 1
         self.next_step = self.sync.catch_up(
-            through=died_in, timeout_s=2 * self.config.sparseloco.round_timeout_s + 60)
+            through=min(died_in, last),
+            timeout_s=2 * self.config.sparseloco.round_timeout_s + 60)
         self.rejoined_at = self.next_step
         if self.heartbeat is not None:
             self.heartbeat.update(state="training", **{"from": self.next_step})
         self.data.skip(batches=self.next_step * self.H, batch_size=self.config.train.batch_size)
         self.config = self.config.replace(train=_no_initial_eval(self.config))
+
+    def run(self, **kwargs: Any) -> dict[str, Any]:
+        if self.rejoined_at is not None and self.next_step >= self.config.train.global_steps:
+            from crucible.presets import tokens_per_global_step
+            # every round is agreed: what the last life left undone is the final evaluation
+            self._maybe_evaluate(tokens_per_global_step(self.config)
+                                 * self.config.train.global_steps)
+        return super().run(**kwargs)
 
     def _round_starts(self, g: int) -> None:
         """The heartbeat names the round; a planned kill: record it, then SIGKILL this process
@@ -222,6 +236,9 @@ class ReplicaTrainer(Trainer):
             "upload_bytes": sum(r.upload_bytes for r in results),
             "dense_bytes": sum(r.dense_bytes for r in results),
             "wait_s": self.sync.waits_s[-1], "restart": _restart_count()})
+        if (g == self.config.train.global_steps - 1 and self.rejoined_at is None
+                and os.environ.get(HOLD_FINAL_ENV) == str(self.replica)):
+            _hold(Path(self.callback.out_dir) / "holding-final", {"global_step": g})
 
 
 @torch.no_grad()
@@ -313,20 +330,18 @@ def _explained(out: Path, life: int) -> dict[str, Any] | None:
                  and r.get("life", 0) == life), None)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the elastic agent) dies, so that an agent
-    killed from outside leaves no orphan worker beside the one its replacement starts."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
+def repair_torn_line(path: Path) -> None:
+    """Cut a last line a SIGKILL left unfinished (atomically), so that the next record starts
+    a line of its own instead of joining the torn one."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError) as exc:
-        log.warning("cannot ask to die with the agent (%s); a killed agent may leave this "
-                    "process behind until the launcher stops it", exc)
+        data = path.read_bytes()
+    except FileNotFoundError:
         return
-    if os.getppid() != parent:     # the agent died before the request took effect
-        os._exit(1)
+    if data and not data.endswith(b"\n"):
+        log.warning("%s: cutting a torn last line (a process died writing it)", path)
+        tmp = path.with_name(f".{path.name}.repair")
+        tmp.write_bytes(data[:data.rfind(b"\n") + 1])
+        os.replace(tmp, path)
 
 
 def _append(path: Path, line: dict[str, Any]) -> None:
@@ -364,7 +379,6 @@ def _wait_ready(store: Store, run_key: str, *, replicas: int, timeout_s: float) 
 def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     """Run replica `replica` of the run described by `run_dir/run.json`; returns its summary,
     or None when the replica was killed for good in an earlier life (this life exits at once)."""
-    _die_with_parent()
     ident = json.loads((run_dir / "run.json").read_text())
     config = Config.from_dict(ident["config"])
 
@@ -385,7 +399,20 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     lives = ident.get("lives") or [1] * config.replicas
     lease_s = float(ident.get("lease_s") or 0.0)
     device = _device()
+    repair_torn_line(out / "process.jsonl")
+    repair_torn_line(out / "rounds.jsonl")
     life = _begin_life(out)
+    if (out / "summary.json").exists():   # an earlier life finished and died on its way out
+        log.info("replica %d already finished (an earlier life wrote its summary)", replica)
+        callback.close()
+        return json.loads((out / "summary.json").read_text())
+    if life >= lives[replica]:            # a restart nobody budgeted (a pod started anew)
+        log.warning("replica %d has had its %d lives; not starting another", replica,
+                    lives[replica])
+        _append(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
+                                        "replica": replica, "wall": time.time(), "life": life})
+        callback.close()
+        return None
     dead_round = None
     if life > 0:   # the process is back (its agent started it again)
         dead_round = died_in(out)
@@ -396,11 +423,13 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
             _record(callback, "restart", ended["global_step"], replica, gone=True)
             callback.close()
             return None
-        if ended is None:   # nothing planned it: record the death at the last beat of that life
+        if ended is None and not any(   # unplanned, and not recorded by a life that died since
+                r.get("kind") == "kill" and r.get("dead_life") == life - 1
+                for r in read_records(out / "process.jsonl")):
             beat = read_beat(store, run_key, replica)
             last = beat["wall"] if beat is not None and beat["life"] == life - 1 else None
             _record(callback, "kill", dead_round, replica, planned=False, wall=last,
-                    rejoin=True, dead_life=life - 1)
+                    rejoin=True, dead_life=life - 1, life=life - 1)
         _record(callback, "restart", dead_round, replica)
     else:
         _record(callback, "start", 0, replica)
@@ -449,10 +478,16 @@ class _HoldingStore:
         if key != self._key:
             return self._store.put_if_absent(key, data)
         tmp = self._store._write_temp(self._store._path(key), bytes(data))
-        write_json_atomic(self._marker, {"key": key, "temporary": tmp, "pid": os.getpid()})
-        log.warning("fault injection: holding inside the upload of %s until killed", key)
-        while True:
-            time.sleep(1.0)
+        _hold(self._marker, {"key": key, "temporary": tmp})
+        return False                                      # not reached
+
+
+def _hold(marker: Path, what: dict[str, Any]) -> None:
+    """Test fault injection: say where this process is (`marker`) and wait to be killed."""
+    write_json_atomic(marker, {**what, "pid": os.getpid()})
+    log.warning("fault injection: holding at %s until killed", what)
+    while True:
+        time.sleep(1.0)
 
 
 def _maybe_hold_upload(sync: ReplicaSync, out: Path, *, replica: int, life: int) -> None:

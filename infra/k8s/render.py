@@ -20,12 +20,15 @@ What it renders, and why (the same layout `crucible.distributed.launch.launch` m
   torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 --max-restarts K ... -m
   crucible.distributed.worker --run-dir /crucible/run --replica r`), K = the replica's restart
   budget (`--restarts`, default 3, for unplanned deaths) plus its planned `--kill`s, as `launch`
-  gives it. Restarts are the agent's, inside the pod: `restartPolicy: Never`, `backoffLimit: 0`
-  (a worker counts its lives in the shared folder, so a restarted container would rejoin too,
-  but the budget is the agent's to spend). One Job per replica (not one indexed Job) because K
+  gives it. A dead worker is restarted by the agent inside the pod (`restartPolicy: Never`); a
+  pod lost as a whole (its node, an eviction) is replaced by the Job (`backoffLimit: K`): the
+  worker counts its lives in the shared folder, so the new pod's worker rejoins, and one past
+  the budget exits without training. One Job per replica (not one indexed Job) because K
   differs per replica, and a replica that never comes back must not fail the others. A
   wrapper writes the agent's exit code to `replicas/replica-r/exit-code`.
-- Job `NAME-merge`: waits for every replica's `exit-code`, then runs `launch.merge` on the shared
+- Job `NAME-merge`: waits for every replica's `exit-code` (once one replica is done, at most
+  `--merge-grace-s` for the others: a replica whose pods were all lost is merged as lost), then
+  runs `launch.merge` on the shared
   folder (`summary.json`, `events.jsonl`, `metrics.jsonl`, `process.jsonl`, `model.pt`); prints
   the replicas that never came back (`lost`) and exits 1 only when no replica finished (as
   `launch`).
@@ -118,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
                    help="heartbeat lease after which peers count a silent replica as dead "
                         f"(default {DEFAULT_LEASE_S:g}; 0: none)")
+    p.add_argument("--merge-grace-s", type=float, default=1800.0,
+                   help="once one replica is done, how long the merge waits for the others "
+                        "before it merges the missing ones as lost")
     p.add_argument("--start-timeout-s", type=float, default=900.0,
                    help="how long replicas wait for each other at the start (image pulls)")
     return p
@@ -257,17 +263,35 @@ def _replica_job(args: argparse.Namespace, labels: dict[str, str], claim: str, r
         container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
                                "effect": "NoSchedule"}]
+    # a pod lost as a whole (its node, an eviction) is replaced by the Job: its worker counts
+    # its lives in the shared folder, so it rejoins, and refuses to start past the budget
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": f"{args.name}-replica-{replica}", "labels": mine},
-            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine},
-                                                     "spec": pod}}}
+            "spec": {"backoffLimit": restarts, "template": {"metadata": {"labels": mine},
+                                                            "spec": pod}}}
 
 
 def _merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str,
                replicas: int) -> dict[str, Any]:
-    wait = (f"for r in $(seq 0 {replicas - 1}); do\n"
-            f"  until [ -f {RUN_DIR}/replicas/replica-$r/exit-code ]; do sleep 10; done\n"
-            "done\n")
+    # every replica's exit code, or, once one replica is done, at most --merge-grace-s for the
+    # others (a replica whose pods were all lost writes none: it is merged as lost, code 137)
+    codes = f"{RUN_DIR}/replicas/replica-$r/exit-code"
+    wait = (f"first=\n"
+            f"while :; do\n"
+            f"  missing=0; done_any=0\n"
+            f"  for r in $(seq 0 {replicas - 1}); do\n"
+            f"    if [ -f {codes} ]; then done_any=1; else missing=1; fi\n"
+            f"  done\n"
+            f"  [ $missing = 0 ] && break\n"
+            f"  [ $done_any = 1 ] && [ -z \"$first\" ] && first=$(date +%s)\n"
+            f"  if [ -n \"$first\" ] && [ $(( $(date +%s) - first )) -ge {args.merge_grace_s:.0f} ]; then\n"
+            f"    for r in $(seq 0 {replicas - 1}); do\n"
+            f"      [ -f {codes} ] || echo 137 > {codes}\n"
+            f"    done\n"
+            f"    break\n"
+            f"  fi\n"
+            f"  sleep 10\n"
+            f"done\n")
     mine = labels | {"crucible.io/role": "merge"}
     container = {
         "name": "merge", "image": args.image,

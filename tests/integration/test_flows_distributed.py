@@ -60,7 +60,8 @@ def test_refused_configs_fail_before_anything_is_registered(prefect_harness: Non
              ({"kills": ["1-3"]}, "kills: '1-3' is not REPLICA@GLOBAL_STEP"),
              ({"kills": ["2@1"]}, "--kill 2@1: replica must be in 0..1"),
              ({"overrides": ["faults.strategy=reroute", "faults.p=0.1"]},
-              "faults.strategy=reroute is not supported in distributed mode")]
+              "faults.strategy=reroute is not supported in distributed mode"),
+             ({"restarts": -1}, "restarts (--restarts) must be a whole number >= 0")]
     for params, message in cases:
         state = distributed_run(preset="smoke", **{"nproc": 2, **params}, return_state=True)
         assert state.is_failed()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from crucible.distributed import outside
-from crucible.distributed.worker import HOLD_UPLOAD_ENV, read_records
+from crucible.distributed.worker import HOLD_FINAL_ENV, HOLD_UPLOAD_ENV, read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS, AT, DEADLINE = 16, 6, 10.0
@@ -63,6 +63,10 @@ def _check_recovered(out: Path, *, killed_wall: float) -> dict:
                   if r["kind"] == "kill"]
     assert not recorded["planned"] and recorded["dead_life"] == 0
     assert killed_wall - 5.0 / 4 - 0.5 <= recorded["wall"] <= killed_wall
+    # the lives never overlapped: each started after the one before it had died
+    starts = [r for r in read_records(out / "replicas" / "replica-1" / "process.jsonl")
+              if r["kind"] in ("start", "restart")]
+    assert [r["life"] for r in starts] == list(range(len(starts)))
     assert 0 < row["kill_to_restart_s"] < row["kill_to_rejoin_s"] < DEADLINE
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     real = sorted((e["kind"], e["replica"]) for e in events if e["kind"].startswith("process_"))
@@ -149,3 +153,54 @@ def test_a_replica_whose_budget_is_spent_is_reported_and_the_run_completes(
         waits = dist["round_waits_s"][r]
         assert max(waits) < DEADLINE * 0.9
         assert all(w < 1.0 for g, w in enumerate(waits) if g > died)
+
+
+def test_a_worker_killed_after_its_last_round_finishes_the_run(tmp_path: Path) -> None:
+    # dead in the final evaluation: every round is agreed, so its next life only evaluates
+    out = tmp_path / "run"
+    launcher = _launch(out, env={HOLD_FINAL_ENV: "1"})
+    outside.wait_for(lambda: (out / "replicas" / "replica-1" / "holding-final").exists(),
+                     timeout_s=300, what="the held final evaluation",
+                     alive=lambda: launcher.poll() is None)
+    outside.kill(out, replica=1, what="worker")
+    _finish(launcher)
+    summary = json.loads((out / "summary.json").read_text())
+    dist = summary["distributed"]
+    assert dist["lost"] == [] and dist["finished"] == [0, 1, 2]
+    [row] = dist["recoveries"]
+    assert (row["killed_at_step"], row["caught_up_step"]) == (STEPS, STEPS)
+    assert dist["missing_rounds"]["1"] == [] and dist["final_val_loss_spread"] == 0.0
+    part = json.loads((out / "replicas" / "replica-1" / "summary.json").read_text())
+    assert part["final_val_loss"] == summary["final_val_loss"] and part["restarts"] == 1
+
+
+def test_an_agent_killed_while_its_worker_restarts_leaves_one_worker(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launcher = _launch(out)
+    alive = lambda: launcher.poll() is None       # noqa: E731
+    outside.wait_for_rounds(out, replica=1, rounds=AT, alive=alive)
+    outside.kill(out, replica=1, what="worker")
+    # the agent restarts the worker; kill the agent while the new worker is starting
+    first = outside.pid_of(out, replica=1, what="worker")
+    outside.wait_for(lambda: outside.worker_pids(out, replica=1) not in ([], [first]),
+                     timeout_s=60, what="the restarted worker", alive=alive)
+    outside.kill(out, replica=1, what="agent")
+    _finish(launcher)
+    summary = json.loads((out / "summary.json").read_text())
+    dist = summary["distributed"]
+    assert dist["lost"] == [] and dist["finished"] == [0, 1, 2]
+    assert dist["final_val_loss_spread"] == 0.0
+    records = read_records(out / "replicas" / "replica-1" / "process.jsonl")
+    assert [r["kind"] for r in records].count("agent_lost") == 1
+    # never two processes training replica 1: the worker the dead agent had just started either
+    # died with it or found its agent gone and exited before it recorded anything, so the
+    # lives are numbered in order and each wrote only after the one before it
+    own = [r for r in records if "life" in r and r["kind"] != "kill"]
+    lives = sorted({r["life"] for r in own})
+    assert lives == list(range(len(lives)))
+    for life in lives[:-1]:
+        assert max(r["wall"] for r in own if r["life"] == life) < min(
+            r["wall"] for r in own if r["life"] == life + 1)
+    rounds = [r["global_step"] for r in read_records(out / "replicas" / "replica-1"
+                                                     / "rounds.jsonl")]
+    assert rounds == sorted(set(rounds))      # no round trained twice

@@ -48,7 +48,8 @@ def test_four_replicas_render_one_gpu_job_each_with_the_store_and_worker_command
     jobs = _replica_jobs(objects)
     assert sorted(jobs) == [0, 1, 2, 3]
     for r, job in jobs.items():
-        assert job["spec"]["backoffLimit"] == 0
+        # a pod lost as a whole is replaced, up to the replica's budget
+        assert job["spec"]["backoffLimit"] == 3 + (1 if r in (2, 3) else 0)
         pod = job["spec"]["template"]["spec"]
         assert pod["restartPolicy"] == "Never"      # restarts are the elastic agent's
         [container] = pod["containers"]
@@ -58,7 +59,7 @@ def test_four_replicas_render_one_gpu_job_each_with_the_store_and_worker_command
         # the default budget of 3 for every replica, and one more per planned kill
         restarts = 3 + (1 if r in (2, 3) else 0)
         assert (f"python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 "
-                f"--max-restarts {restarts} --monitor-interval 0.1 -m crucible.distributed.worker "
+                f"--max-restarts {restarts} --monitor-interval 0.1 -m crucible.distributed.run_worker "
                 f"--run-dir {RUN_DIR} --replica {r}\n") in script
         assert f"> {RUN_DIR}/replicas/replica-{r}/exit-code" in script
         env = {e["name"]: e for e in container["env"]}
@@ -76,6 +77,9 @@ def test_four_replicas_render_one_gpu_job_each_with_the_store_and_worker_command
     [merge] = [o for o in objects if o["metadata"]["labels"].get("crucible.io/role") == "merge"]
     [container] = merge["spec"]["template"]["spec"]["containers"]
     assert "seq 0 3" in container["command"][-1]
+    # the wait is valid shell, and it gives up on lost replicas after --merge-grace-s
+    assert subprocess.run(["bash", "-n", "-c", container["command"][-1]]).returncode == 0
+    assert "-ge 1800 ]" in container["command"][-1]
     assert {e["name"]: e.get("value") for e in container["env"]}["MERGE_SCRIPT"] == MERGE_SCRIPT
 
 

@@ -69,7 +69,7 @@ def test_a_silent_peer_is_not_waited_for_in_the_round_it_died_in(tmp_path: Path)
     assert not watch.waits_for(1, 4)             # the round it died in
     # the next round: it has lives left, so it is waited for once (its agent restarts it) ...
     assert watch.waits_for(1, 5)
-    watch.round_over()
+    watch.round_over(5)
     # ... and not again for the same dead life
     assert not watch.waits_for(1, 6) and not watch.waits_for(1, 9)
     # its next life announces itself, catching up to step 7: waited for from 7 on
@@ -97,7 +97,6 @@ def test_a_dead_peer_with_no_life_left_is_never_waited_for(tmp_path: Path) -> No
     clock.now += LEASE * 2
     watch.refresh()
     assert not watch.waits_for(1, 4) and not watch.waits_for(1, 10)
-    assert watch.gone() == [1]
 
 
 @pytest.mark.parametrize("state", ["gone", "done"])
@@ -176,3 +175,42 @@ def test_every_replica_has_a_restart_budget_and_bad_budgets_are_refused() -> Non
                                     (2, -1.0, "--lease-s"), (2, float("nan"), "--lease-s")):
         with pytest.raises(ConfigError, match=option):
             check_recovery(restarts=restarts, lease_s=lease)
+
+
+def test_a_torn_line_is_cut_before_the_next_record_is_appended(tmp_path: Path) -> None:
+    from crucible.distributed.worker import repair_torn_line
+
+    path = tmp_path / "process.jsonl"
+    path.write_text('{"kind": "start"}\n{"kind": "ki')
+    repair_torn_line(path)
+    with open(path, "a") as fh:
+        fh.write('{"kind": "restart"}\n')
+    assert read_records(path) == [{"kind": "start"}, {"kind": "restart"}]
+    repair_torn_line(path)                     # a whole file is left as it is
+    assert path.read_text() == '{"kind": "start"}\n{"kind": "restart"}\n'
+
+
+def test_recoveries_are_taken_from_the_lives_after_the_dead_one() -> None:
+    from crucible.distributed.launch import _lost, _recoveries
+
+    def rec(kind: str, step: int, wall: float, life: int, **extra) -> dict:
+        return {"kind": kind, "global_step": step, "replica": 1, "wall": wall, "life": life,
+                **extra}
+
+    process = [rec("start", 0, 1.0, 0),
+               rec("kill", 3, 4.0, 0, planned=True, rejoin=True),
+               rec("restart", 3, 6.0, 1), rec("caught_up", 4, 6.5, 1),
+               rec("first_contribution", 4, 7.0, 1),
+               # life 1 dies unplanned: its last beat (9.0) is before its last record (9.5)
+               rec("round_marker", 5, 9.5, 1),
+               rec("kill", 6, 9.0, 1, planned=False, rejoin=True, dead_life=1),
+               rec("restart", 6, 12.0, 2), rec("caught_up", 7, 12.5, 2),
+               rec("first_contribution", 7, 13.0, 2)]
+    rows = _recoveries(process)
+    assert [(r["killed_at_step"], r["planned"], r["restart_step"], r["rejoin_step"])
+            for r in rows] == [(3, True, 3, 4), (6, False, 6, 7)]
+    assert rows[1]["kill_to_rejoin_s"] == 4.0 and rows[0]["kill_to_restart_s"] == 2.0
+    # a replica whose third life died with no life left is lost, and says why
+    lost = _lost(2, {0: {}}, process, [3, 3], [0, 1])
+    assert lost == [{"replica": 1, "lives": 3, "last_step": 7,
+                     "reason": "its restart budget is spent: 3 lives of 3 (agent exit code 1)"}]
