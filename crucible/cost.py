@@ -38,7 +38,9 @@ Accelerator-hours count every provisioned accelerator (R x S x accelerators_per_
 whole wall-clock: a stage idle under `drop`, a donor-less replica, replicas waiting out a
 deadline are paid for. Money is accelerator-hours x the price per hour, on demand and spot;
 `cost` is the one the deployment's `pricing` names. `busy_fraction` is the share of those
-accelerator-seconds spent computing inner steps.
+accelerator-seconds spent computing inner steps. `curve` is the loss against wall-clock and money
+at each evaluation, from the initial loss (the recorded one, else ln V: a fresh model's) at the
+end of start-up.
 
 Not modelled: micro-batch pipelining inside an inner step, contention of a donor's boundary
 link, store egress prices, evaluation by one replica only (every replica evaluates, in
@@ -49,11 +51,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from crucible.deployment import Deployment
 
-__all__ = ["COST_MODEL", "CostError", "run_cost", "stage_step_s"]
+__all__ = ["COST_MODEL", "CostError", "run_cost", "run_costs", "stage_step_s"]
 
 COST_MODEL = "crucible.cost/1"
 
@@ -122,16 +125,74 @@ def _kill_waits(kills: Sequence[Mapping[str, Any]], deployment: Deployment, *,
     return absent
 
 
-def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, Any]:
-    """The cost record of one run (see the module docstring for the model)."""
-    import torch
+@dataclass(frozen=True)
+class _Round:
+    """One round's plan as plain lists: who computes what, through which donor."""
+    bypass: tuple[tuple[bool, ...], ...]        # (R, S)
+    active: tuple[tuple[bool, ...], ...]        # (R, S)
+    processing: tuple[bool, ...]                # (R,) the replica's tokens are trained on
+    extra: tuple[tuple[int, ...], ...]          # (R, S) foreign micro-batches per inner step
+    donors: Mapping[tuple[int, int], int]
+    crossings: tuple[int, ...]                  # (R,) boundary crossings per token
 
-    from crucible.boundary import wire_bytes
+    def without(self, gone: set[int]) -> _Round:
+        """The round with the replicas in `gone` dead: they compute and contribute nothing."""
+        return _Round(bypass=self.bypass,
+                      active=tuple(tuple(False for _ in row) if r in gone else row
+                                   for r, row in enumerate(self.active)),
+                      processing=tuple(p and r not in gone for r, p in enumerate(self.processing)),
+                      extra=self.extra, donors=self.donors, crossings=self.crossings)
+
+
+def _replay(summary: Mapping[str, Any], config: Any) -> list[_Round]:
+    """Every recorded global step's plan through the run's strategy (crucible.strategy)."""
     from crucible.faults import FaultPlan
-    from crucible.presets import parameter_count
     from crucible.strategy import plan_step
 
+    plan = FaultPlan.from_list(summary.get("faults") or [])
+    rounds = []
+    for g in range(-1, int(summary["global_steps"])):   # -1: the fault-free round
+        step = plan_step(plan if g >= 0 else FaultPlan(), max(g, 0), config=config)
+        extra = step.extra_load
+        rounds.append(_Round(
+            bypass=tuple(tuple(row) for row in step.bypass.tolist()),
+            active=tuple(tuple(row) for row in step.active.tolist()),
+            processing=tuple(w > 0 for w in step.loss_weight.tolist()),
+            extra=(tuple(tuple(row) for row in extra.tolist()) if extra is not None else
+                   tuple((0,) * config.pipeline.stages for _ in range(config.replicas))),
+            donors=dict(step.donors), crossings=tuple(step.crossings().tolist())))
+    return rounds
+
+
+def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, Any]:
+    """The cost record of one run (see the module docstring for the model)."""
+    return run_costs(summary, [deployment])[0]
+
+
+def run_costs(summary: Mapping[str, Any], deployments: Sequence[Deployment]
+              ) -> list[dict[str, Any]]:
+    """`run_cost` of one run on each deployment (the run's rounds replayed once)."""
     config = _config(summary)
+    try:
+        rounds = _replay(summary, config)
+        return [_priced(summary, config, rounds, d) for d in deployments]
+    except KeyError as exc:
+        raise CostError(f"the summary has no {exc.args[0]!r}: price a summary.json that "
+                        "crucible run, launch or a study wrote") from None
+
+
+def _initial_loss(summary: Mapping[str, Any], config: Any) -> float:
+    """The loss before training: the recorded one, else the uniform prediction's ln V (what a
+    freshly initialised model scores, to within its small init)."""
+    initial = summary.get("initial_val_loss")
+    return float(initial) if initial is not None else math.log(config.model.vocab_size)
+
+
+def _priced(summary: Mapping[str, Any], config: Any, rounds: Sequence[_Round],
+            deployment: Deployment) -> dict[str, Any]:
+    from crucible.boundary import wire_bytes
+    from crucible.presets import parameter_count
+
     R, S, H = config.replicas, config.pipeline.stages, config.sparseloco.inner_steps
     steps = int(summary["global_steps"])
     work = _workload(config, deployment)
@@ -145,26 +206,21 @@ def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, An
     per_contribution = (summary["bytes"]["upload"] / made if made else 0.0) * (
         parameter_count(work) / parameter_count(config))
     timeout_s = deployment.round_timeout_s or config.sparseloco.round_timeout_s
-    plan = FaultPlan.from_list(summary.get("faults") or [])
     distributed = summary.get("distributed") or {}
-    # a round without waits: the kills' waits need its length (the fault-free round's)
-    healthy = plan_step(FaultPlan(), 0, config=config)
-    base_round = _round(healthy, t, crossing_s, per_contribution, store, deployment, H=H)[0]
+
+    def priced(one: _Round) -> tuple[float, dict[str, float], float]:
+        return _round(one, t, crossing_s, per_contribution, store, deployment, H=H)
+
+    # the kills' waits need the length of a round without them: the fault-free round's
     absent = _kill_waits(distributed.get("kills") or [], deployment, steps=steps,
-                         round_s=base_round, timeout_s=timeout_s)
+                         round_s=priced(rounds[0])[0], timeout_s=timeout_s)
     totals = {"compute_s": 0.0, "boundary_s": 0.0, "store_s": 0.0, "wait_s": 0.0}
     busy_s = 0.0
     ends: list[float] = []          # wall-clock at the end of each round, before evaluations
     clock = deployment.startup_s
-    for g in range(steps):
-        step = plan_step(plan, g, config=config)
+    for g, one in enumerate(rounds[1:]):
         gone = absent.get(g, set())
-        if gone:   # a dead process trains nothing that round
-            keep = torch.ones(R, dtype=torch.bool)
-            keep[sorted(gone)] = False
-            step.active = step.active & keep[:, None]
-            step.loss_weight = step.loss_weight * keep.float()
-        total, parts, busy = _round(step, t, crossing_s, per_contribution, store, deployment, H=H)
+        total, parts, busy = priced(one.without(gone) if gone else one)
         wait = timeout_s if gone else 0.0
         for key, value in parts.items():
             totals[key] += value
@@ -175,9 +231,12 @@ def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, An
     evals = list(summary.get("evals") or [])
     eval_tokens = summary.get("eval_tokens") or config.train.eval_tokens
     eval_each = (eval_tokens or 0) * sum(t) / tokens * deployment.eval_fraction
-    n_evals = len(evals) + (1 if summary.get("initial_val_loss") is not None else 0)
-    curve = []
-    done = 1 if summary.get("initial_val_loss") is not None else 0
+    recorded_initial = summary.get("initial_val_loss") is not None
+    n_evals = len(evals) + (1 if recorded_initial else 0)
+    # the curve starts before the first round, at the initial loss (after its evaluation)
+    curve = [{"global_step": 0, "val_loss": _initial_loss(summary, config),
+              "wall_s": deployment.startup_s + (eval_each if recorded_initial else 0.0)}]
+    done = 1 if recorded_initial else 0
     for e in evals:
         done += 1
         g = int(e["global_step"])
@@ -207,34 +266,30 @@ def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, An
     }
 
 
-def _round(step: Any, t: Sequence[float], crossing_s: float, per_contribution: float,
+def _round(one: _Round, t: Sequence[float], crossing_s: float, per_contribution: float,
            store: float, deployment: Deployment, *, H: int) -> tuple[float, dict[str, float],
                                                                      float]:
-    """(seconds, their split, busy stage-seconds) of one round under one `StepPlan`."""
-    R, S = step.down.shape
-    extra = step.extra_load
-    load = [[int(step.active[r, s]) + (int(extra[r, s]) if extra is not None else 0)
-             for s in range(S)] for r in range(R)]
-    crossings = step.crossings().tolist()
+    """(seconds, their split, busy stage-seconds) of one round."""
+    R, S = len(one.active), len(t)
+    load = [[int(one.active[r][s]) + one.extra[r][s] for s in range(S)] for r in range(R)]
     slowest = (0.0, 0.0)
     for r in range(R):
-        if float(step.loss_weight[r]) <= 0:
+        if not one.processing[r]:
             continue
         compute = 0.0
         for s in range(S):
-            if bool(step.bypass[r, s]):
+            if one.bypass[r][s]:
                 continue
-            holder = step.donors.get((r, s), r)
+            holder = one.donors.get((r, s), r)
             compute += t[s] * max(load[holder][s], 1)
-        boundary = crossings[r] * crossing_s
+        boundary = one.crossings[r] * crossing_s
         if compute + boundary > sum(slowest):
             slowest = (compute, boundary)
-    active = step.active
-    per_stage = active.sum(dim=0).tolist()
+    per_stage = [sum(int(one.active[r][s]) for r in range(R)) for s in range(S)]
     store_s = 0.0
     for r in range(R):
-        up = int(active[r].sum())
-        down = sum(per_stage[s] - int(active[r, s]) for s in range(S))
+        up = sum(int(a) for a in one.active[r])
+        down = sum(per_stage[s] - int(one.active[r][s]) for s in range(S))
         if up or down:
             seconds = ((up + down) * per_contribution / store
                        + 2 * deployment.store_latency_ms / 1000.0)

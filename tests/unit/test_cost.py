@@ -65,9 +65,12 @@ def test_fault_free_run_costs_hand_computed_time_and_money():
     assert cost["money"]["on_demand"] == pytest.approx(0.114)
     assert cost["money"]["spot"] == pytest.approx(0.057)
     assert cost["cost"] == cost["money"]["on_demand"]
-    assert cost["curve"] == [pytest.approx({"global_step": 2, "val_loss": 3.0, "wall_s": 28.5,
-                                            "accelerator_hours": 4 * 28.5 / 3600,
-                                            "cost": 0.114})]
+    # the curve starts after start-up at ln 256 (smoke's vocabulary: no initial evaluation)
+    assert cost["curve"] == [
+        pytest.approx({"global_step": 0, "val_loss": math.log(256), "wall_s": 10.0,
+                       "accelerator_hours": 4 * 10 / 3600, "cost": 0.04}),
+        pytest.approx({"global_step": 2, "val_loss": 3.0, "wall_s": 28.5,
+                       "accelerator_hours": 4 * 28.5 / 3600, "cost": 0.114})]
 
 
 def test_skipped_stage_costs_nothing_in_time():
@@ -201,3 +204,47 @@ def test_shipped_deployments_load(name):
     assert deployment.name == name
     assert math.isfinite(deployment.price_per_hour)
     assert "http" not in path.read_text()
+
+
+def test_reach_interpolates_and_says_not_reached():
+    from crucible.cost_sweep import loss_at_money, reach
+
+    curve = [{"val_loss": 5.0, "wall_s": 10.0, "cost": 1.0},
+             {"val_loss": 3.0, "wall_s": 30.0, "cost": 3.0},
+             {"val_loss": 2.0, "wall_s": 50.0, "cost": 5.0}]
+    assert reach(curve, 2.5) == pytest.approx({"wall_s": 40.0, "cost": 4.0})
+    assert reach(curve, 3.0) == pytest.approx({"wall_s": 30.0, "cost": 3.0})
+    assert reach(curve, 1.9) is None
+    assert loss_at_money(curve, 2.0) == pytest.approx(4.0)
+    assert loss_at_money(curve, 9.0) == pytest.approx(2.0)     # ended under budget
+    assert loss_at_money(curve, 0.5) is None                    # nothing within the budget
+
+
+def test_sweep_costs_pairs_by_seed_and_names_the_cheapest():
+    from crucible.cells import GridKey
+    from crucible.cost_sweep import CostRow, sweep_costs
+
+    def row(strategy, p, seed, losses, costs):
+        curve = [{"global_step": i, "val_loss": v, "wall_s": 100.0 * c, "cost": c}
+                 for i, (v, c) in enumerate(zip(losses, costs, strict=True))]
+        return CostRow(key=GridKey("none", strategy, p), seed=seed, name=f"{strategy}-{seed}",
+                       cost={"deployment": "d", "pricing": "on_demand", "currency": "USD",
+                             "curve": curve, "final_val_loss": losses[-1], "cost": costs[-1],
+                             "wall_s": 100.0 * costs[-1], "accelerator_hours": costs[-1]})
+
+    rows = [row("base", 0.0, 0, [5, 2.0], [0, 10]), row("base", 0.0, 1, [5, 2.2], [0, 10]),
+            # drop never gets to its baseline; extend gets there at 15 and 13.33
+            row("drop", 0.2, 0, [5, 2.5], [0, 9]), row("drop", 0.2, 1, [5, 2.6], [0, 9]),
+            row("drop_extend", 0.2, 0, [5, 2.5, 1.5], [0, 10, 20]),
+            row("drop_extend", 0.2, 1, [5, 2.5, 1.6], [0, 10, 20])]
+    record = sweep_costs(rows)
+    cells = {c["strategy"]: c for c in record["cells"]}
+    assert cells["drop"]["target"]["reached"] == 0
+    assert cells["drop_extend"]["target"]["reached"] == 2
+    assert cells["drop_extend"]["target"]["cost"]["mean"] == pytest.approx((15 + 40 / 3) / 2)
+    assert cells["drop_extend"]["target"]["cost"]["lo"] is not None
+    assert cells["drop"]["loss_at_budget"]["mean"] == pytest.approx(2.55)
+    assert record["cheapest"] == [{"arm": "none", "label": "", "p": 0.2,
+                                   "strategy": "drop_extend", "by": "target",
+                                   "cost": pytest.approx((15 + 40 / 3) / 2),
+                                   "loss_at_budget": pytest.approx(2.5)}]
