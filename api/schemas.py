@@ -59,7 +59,7 @@ __all__ = [
     "RunPublic", "MetricIn", "MetricPublic", "EventIn", "EventPublic", "MetricBatch",
     "EventBatch", "BatchResult", "Page", "Health", "Readiness", "ErrorItem", "ErrorResponse",
     "check_text", "TAG_PATTERN", "MAX_TAGS", "MAX_NOTES", "Tags", "RunFields", "SweepFields",
-    "field_names",
+    "field_names", "RunCostPublic",
 ]
 
 MAX_BATCH_ITEMS = 10_000
@@ -385,6 +385,21 @@ SweepFields = _selection(SweepPublic, "SweepFields")
 # replaced (only an item that is not an object now reads "Input should be a valid dictionary");
 # no docstring, it would become the schema's description. Validated items are dicts with all
 # five keys (tokens and replica default to None).
+class RunCostPublic(BaseModel):
+    model_config = _OUT
+    run_id: uuid.UUID
+    deployment: str
+    model: str = Field(description="the cost model's version (crucible.cost.COST_MODEL)")
+    pricing: str = Field(description="on_demand or spot: the price `cost` is in")
+    currency: str
+    wall_s: float = Field(description="predicted wall-clock seconds on the deployment")
+    accelerator_hours: float = Field(description="every provisioned accelerator for the whole "
+                                                 "wall-clock, idle ones included")
+    cost: float = Field(description="accelerator_hours x the price per hour of `pricing`")
+    record: dict[str, Any] = Field(description="the whole record (crucible.cost.run_cost)")
+    updated_at: datetime
+
+
 class MetricIn(TypedDict):
     __pydantic_config__ = _IN  # type: ignore[misc]
     name: MetricName

@@ -143,7 +143,7 @@ def _post(api_url: str, priced: list[tuple[Path | None, dict[str, Any]]],
             if record is None:
                 lines.append(f"{folder}: not a registry run of {settings.api_url}: not sent")
                 continue
-            client.put_run_cost(record, deployment.name, cost)
+            client.put_run_cost(record, cost)
             lines.append(f"{folder}: sent to registry run {record}")
     return lines
 
