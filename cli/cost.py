@@ -6,7 +6,9 @@ cost on a deployment (crucible.cost, crucible.cost_sweep), printed as a table, w
 RUN_OR_SWEEP is a run folder (it holds summary.json), a sweep folder (run folders inside it;
 `costs.json` with the sweep's record is written there), a study's results folder
 (results/NAME: one summary per cell, priced and printed, nothing written beside the committed
-data) or a study spec (studies/NAME.toml: its results folder).
+data), a study spec (studies/NAME.toml: its results folder) or, with a registry configured and
+no such path here, a registry sweep's name or id, or a run's id (the summaries the registry
+holds; the records go back to it).
 """
 from __future__ import annotations
 
@@ -128,23 +130,61 @@ def _print_sweep(record: dict[str, Any]) -> None:
                           f"budget, {row['loss_at_budget']:.4f})")
 
 
-def _post(api_url: str, priced: list[tuple[Path | None, dict[str, Any]]],
-          deployment: Any) -> list[str]:
-    """Send each run's record to the registry (runs whose folder names a registry run of this
-    API); returns the lines to print. Raises ApiError / ApiUnavailable."""
+def _client(api_url: str) -> Any:
     from crucible.registry.client import ApiClient
     from crucible.registry.settings import ClientSettings
 
     settings = ClientSettings(api_url=api_url)
+    return ApiClient(settings.api_url, settings.token)
+
+
+def _registry_runs(api_url: str, ref: str) -> tuple[list[tuple[str, None, dict[str, Any], str]],
+                                                    dict[str, str]]:
+    """The finished runs of registry sweep `ref` (id or name), or the one run `ref`, with the
+    summaries the registry holds; and their names -> run ids. Raises ValueError, ApiError."""
+    from crucible.registry.client import ApiError, ApiUnavailable
+
+    with _client(api_url) as client:
+        try:
+            runs = client.list_runs(sweep_id=client.get_sweep(ref)["id"])
+        except ApiUnavailable:
+            raise
+        except ApiError:
+            try:
+                runs = [client.get_run(ref)]
+            except ApiUnavailable:
+                raise
+            except ApiError:
+                raise ValueError(f"{ref}: no such folder, and no sweep or run of that name or "
+                                 f"id in the registry at {api_url}") from None
+    found, ids = [], {}
+    for run in runs:
+        if not run.get("summary"):
+            continue
+        name = run.get("name") or run["id"]
+        summary = {"config": run["config"], **run["summary"]}
+        found.append((name, None, summary, run.get("label") or ""))
+        ids[name] = run["id"]
+    if not found:
+        raise ValueError(f"{ref}: no run of it in the registry has a summary yet (finished runs "
+                         "only)")
+    return found, ids
+
+
+def _post(api_url: str, priced: list[tuple[str, Path | None, str | None, dict[str, Any]]]
+          ) -> list[str]:
+    """Send each run's record to the registry: (name, folder, run id) where the id is known or
+    the folder's registry.json names a run of this API; returns the lines to print. Raises
+    ApiError / ApiUnavailable."""
     lines = []
-    with ApiClient(settings.api_url, settings.token) as client:
-        for folder, cost in priced:
-            record = _read_registry(folder, settings.api_url)
-            if record is None:
-                lines.append(f"{folder}: not a registry run of {settings.api_url}: not sent")
+    with _client(api_url) as client:
+        for name, folder, run_id, cost in priced:
+            run_id = run_id or _read_registry(folder, client.base_url)
+            if run_id is None:
+                lines.append(f"{folder or name}: not a registry run of {api_url}: not sent")
                 continue
-            client.put_run_cost(record, cost)
-            lines.append(f"{folder}: sent to registry run {record}")
+            client.put_run_cost(run_id, cost)
+            lines.append(f"{folder or name}: sent to registry run {run_id}")
     return lines
 
 
@@ -168,7 +208,8 @@ def register(app: Any) -> None:
     def cost_cmd(
         target: Path = typer.Argument(..., metavar="RUN_OR_SWEEP",
                                       help="a run folder, a sweep folder of run folders, "
-                                           "results/NAME or studies/NAME.toml"),
+                                           "results/NAME, studies/NAME.toml, or with --api a "
+                                           "registry sweep (name or id) or run id"),
         deployment_path: Path = typer.Option(..., "--deployment",
                                              help="a deployment file, e.g. "
                                                   "infra/deployments/cloud-8x4-spot.toml"),
@@ -193,11 +234,22 @@ def register(app: Any) -> None:
             typer.echo(f"error: {message}", err=True)
             return typer.Exit(code=2)
 
+        from crucible.registry.client import ApiError, ApiUnavailable
+
+        ids: dict[str, str] = {}
         try:
             deployment = load_deployment(deployment_path)
-            kind, runs = _runs(target)
+            if not target.exists() and api_url and not no_api:
+                kind = "registry"
+                runs, ids = _registry_runs(api_url, str(target))
+            else:
+                kind, runs = _runs(target)
         except (DeploymentError, ValueError) as exc:
             raise fail(str(exc)) from None
+        except ApiUnavailable as exc:
+            raise fail(f"cannot reach the registry at {api_url} ({exc.detail})") from None
+        except ApiError as exc:
+            raise fail(f"the registry at {api_url} refused: {exc}") from None
         priced = []
         for name, folder, summary, label in runs:
             try:
@@ -226,12 +278,10 @@ def register(app: Any) -> None:
             if write and kind in ("run", "sweep"):
                 typer.echo(f"wrote {len(priced)} cost.json"
                            + (f" and {target / 'costs.json'}" if record is not None else ""))
-        if api_url and not no_api and kind in ("run", "sweep"):
-            from crucible.registry.client import ApiError, ApiUnavailable
-
+        if api_url and not no_api and kind in ("run", "sweep", "registry"):
             try:
-                for line in _post(api_url, [(folder, cost) for _, folder, _, _, cost in priced],
-                                  deployment):
+                for line in _post(api_url, [(name, folder, ids.get(name), cost)
+                                            for name, folder, _, _, cost in priced]):
                     typer.echo(line)
             except ApiUnavailable as exc:
                 raise fail(f"cannot reach the registry at {api_url} ({exc.detail}); the costs "

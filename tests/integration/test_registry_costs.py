@@ -31,8 +31,8 @@ def client(api_server):
         yield api
 
 
-def _registered_sweep(client, api_server, tmp_path):
-    sweep = client.create_sweep("costs")
+def _registered_sweep(client, api_server, tmp_path, name="costs"):
+    sweep = client.create_sweep(name)
     folder = tmp_path / "sweep"
     ids = {}
     for cell in CELLS:
@@ -42,7 +42,7 @@ def _registered_sweep(client, api_server, tmp_path):
         summary = json.loads((run_dir / "summary.json").read_text())
         run = client.create_run(summary["config"], sweep_id=sweep["id"], name=cell)
         client.update_run(run["id"], status="completed",
-                          final_val_loss=summary["final_val_loss"])
+                          final_val_loss=summary["final_val_loss"], summary=summary)
         (run_dir / "registry.json").write_text(json.dumps({"api_url": api_server.url,
                                                            "run_id": run["id"]}))
         ids[cell] = run["id"]
@@ -105,3 +105,21 @@ def test_bad_cost_records_are_refused(client, api_server, tmp_path):
         client.sweep_costs(client.create_sweep("unpriced")["id"])
     assert info.value.status_code == 404
     assert client.put_run_cost(run["id"], good)["deployment"] == "x"
+
+
+def test_cost_of_a_registry_sweep_by_name_prices_the_stored_summaries(client, api_server,
+                                                                      tmp_path):
+    sweep, folder, ids = _registered_sweep(client, api_server, tmp_path, name="costs by name")
+    env = {"CRUCIBLE_API_TOKEN": api_server.token}
+    result = _crucible_here("cost", "costs by name", "--deployment", SPOT, "--api",
+                            api_server.url, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("sent to registry run") == len(CELLS)
+    summary = json.loads((folder / "none-drop-p0.1-s1" / "summary.json").read_text())
+    [stored] = client.run_costs(ids["none-drop-p0.1-s1"])
+    expected = json.loads(json.dumps(run_cost(summary, load_deployment(SPOT))))
+    assert stored["record"] == expected
+    assert not list(tmp_path.glob("**/cost.json"))     # nothing written locally
+    result = _crucible_here("cost", "no such sweep", "--deployment", SPOT, "--api",
+                            api_server.url, env=env, cwd=tmp_path)
+    assert result.returncode == 2 and "no sweep or run of that name" in result.stderr
