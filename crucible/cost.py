@@ -253,6 +253,7 @@ def _priced(summary: Mapping[str, Any], config: Any, rounds: Sequence[_Round],
              "spot": hours * deployment.spot_per_hour}
     return {
         "model": COST_MODEL, "deployment": deployment.name, "pricing": deployment.pricing,
+        "layout": deployment.layout,
         "currency": deployment.currency, "global_steps": steps, "replicas": R, "stages": S,
         "workload": deployment.workload_preset, "stage_step_s": t, "wall_s": wall,
         "breakdown_s": {"startup_s": deployment.startup_s, **totals,

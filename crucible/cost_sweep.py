@@ -140,6 +140,8 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
         cells.append({
             "arm": key.arm, "strategy": key.strategy, "p": key.p, "label": key.label,
             "seeds": [r.seed for r in group], "runs": [r.name for r in group],
+            "global_steps": _stat({r.seed: float(r.cost["global_steps"]) for r in group
+                                   if "global_steps" in r.cost}),
             "wall_s": _stat({r.seed: float(r.cost["wall_s"]) for r in group}),
             "accelerator_hours": _stat({r.seed: float(r.cost["accelerator_hours"])
                                         for r in group}),
@@ -152,6 +154,7 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
             "curve": _mean_curve(group)})
     return {"deployment": first["deployment"], "pricing": first["pricing"],
             "currency": first["currency"], "workload": first.get("workload"),
+            "layout": first.get("layout"),
             "cells": cells, "cheapest": _cheapest(cells)}
 
 

@@ -142,24 +142,50 @@ def cost_section(data: Any, labels: Mapping[str, str],
     return out
 
 
+def _ratio(cell: Mapping[str, Any], base: Mapping[str, Any], key: str = "cost") -> float:
+    return cell[key]["mean"] / base[key]["mean"]
+
+
 def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """What the tables say, in sentences generated from them."""
     out = []
     for record in records:
-        base = {c["arm"]: c for c in record["cells"] if c["strategy"] == "base"}
-        longest = max((c for c in record["cells"] if c["strategy"] != "base"
-                       and c["arm"] in base and base[c["arm"]]["cost"]["mean"]),
-                      key=lambda c: c["cost"]["mean"] / base[c["arm"]]["cost"]["mean"],
-                      default=None)
-        if longest is None:
-            continue
-        ratio = longest["cost"]["mean"] / base[longest["arm"]]["cost"]["mean"]
-        reached = [c for c in record["cells"] if c["strategy"] != "base"
-                   and c["target"]["reached"]]
-        out.append(f"- {record['deployment']}: the dearest cell is {longest['strategy']} at "
-                   f"p = {longest['p']:g}{' (' + longest['label'] + ')' if longest['label'] else ''}"
-                   f", {ratio:.2f}x its baseline's money; "
-                   + (f"{len(reached)} failure cell{'s' if len(reached) != 1 else ''} reach the "
-                      "baseline's loss in some seed."
-                      if reached else "no failure cell reaches the baseline's loss."))
+        base = {c["arm"]: c for c in record["cells"] if c["strategy"] == "base"
+                and c["cost"]["mean"]}
+        same = [c for c in record["cells"] if c["strategy"] in ("skip", "drop", "reroute")
+                and c["arm"] in base]
+        if same:
+            ratios = [_ratio(c, base[c["arm"]]) for c in same]
+            why = ("every round waits for its slowest replica, and dropped or skipped work "
+                   "leaves the other replicas' accelerators paid for"
+                   if record.get("layout") != "one_device" else
+                   "the one device runs only the work that is done, so dropped replicas and "
+                   "skipped stages cost nothing")
+            out.append(f"- {record['deployment']}: skip, drop and reroute cost "
+                       f"{min(ratios):.2f}-{max(ratios):.2f}x their baseline's money ({why}).")
+        for cell in record["cells"]:
+            if cell["strategy"] != "drop_extend" or cell["arm"] not in base:
+                continue
+            b = base[cell["arm"]]
+            steps = cell["global_steps"]["mean"]
+            target = cell["target"]
+            reached = ("reaches the baseline's loss after "
+                       f"{target['cost']['mean'] / b['cost']['mean']:.2f}x its money"
+                       if target["reached"] else "never reaches the baseline's loss")
+            at = cell["loss_at_budget"]["mean"]
+            out.append(f"- {record['deployment']}: drop_extend ({labels_of(cell)}, p = "
+                       f"{cell['p']:g}) runs {steps:.0f} global steps against the baseline's "
+                       f"{b['global_steps']['mean']:.0f} and costs {_ratio(cell, b):.2f}x its "
+                       f"money; it {reached}"
+                       + ("" if at is None else
+                          f", and on the baseline's budget its loss is {at:.4f} against "
+                          f"{b['final_val_loss']['mean']:.4f}")
+                       + ".")
     return out
+
+
+def labels_of(cell: Mapping[str, Any]) -> str:
+    from crucible.names import ARM_LABEL
+
+    return ARM_LABEL.get(cell["arm"], cell["arm"]) + (f", {cell['label']}" if cell["label"]
+                                                       else "")
