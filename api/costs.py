@@ -5,7 +5,6 @@ sweep's decisions by cost computed from its runs' records by `crucible.cost_swee
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import select
@@ -17,34 +16,9 @@ from db.models import Run, RunCost, utcnow
 
 __all__ = ["put_run_cost", "list_run_costs", "sweep_costs"]
 
-_HEADLINE = ("deployment", "model", "pricing", "currency", "wall_s", "accelerator_hours",
-             "cost")
-
-
-def _check(record: Mapping[str, Any]) -> None:
-    for key in _HEADLINE:
-        if key not in record:
-            raise InvalidInputError(f"the cost record has no {key!r}: send the cost.json "
-                                    "`crucible cost` writes", field=key)
-    for key in ("wall_s", "accelerator_hours", "cost"):
-        value = record[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise InvalidInputError(f"{key} must be a number >= 0, got {value!r}", field=key)
-    for key in ("deployment", "model", "pricing", "currency"):
-        value = record[key]
-        if not isinstance(value, str) or not value or len(value) > (200 if key == "deployment"
-                                                                    else 64 if key == "model"
-                                                                    else 16):
-            raise InvalidInputError(f"{key} must be a short non-empty string, got {value!r}",
-                                    field=key)
-    if not isinstance(record.get("curve", []), list):
-        raise InvalidInputError("curve must be a list of points", field="curve")
-
-
 def put_run_cost(session: Session, *, run_id: uuid.UUID, record: dict[str, Any]) -> RunCost:
-    """Store (or replace) the run's cost record for the record's deployment and commit.
-    Raises NotFoundError, InvalidInputError."""
-    _check(record)
+    """Store (or replace) the run's cost record (api.schemas.RunCostIn, validated) for its
+    deployment and commit. Raises NotFoundError."""
     get_run(session, run_id=run_id)
     row = session.scalars(select(RunCost).where(RunCost.run_id == run_id,
                                                 RunCost.deployment == record["deployment"])

@@ -120,15 +120,16 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
     for key in sorted(by_key, key=lambda k: (k.arm, k.label, k.p, k.strategy)):
         group = sorted(by_key[key], key=lambda r: r.seed)
         base = baselines.get(key.arm, {})
-        mean_target = (statistics.fmean(float(b.cost["final_val_loss"]) for b in base.values())
-                       if base else None)
+        losses = [float(b.cost["final_val_loss"]) for b in base.values()
+                  if b.cost.get("final_val_loss") is not None]
+        mean_target = statistics.fmean(losses) if losses else None
         budget = (statistics.fmean(float(b.cost["cost"]) for b in base.values())
                   if base else None)
         reached: dict[int, dict[str, float]] = {}
         at_budget: dict[int, float] = {}
         for row in group:
-            target = (float(base[row.seed].cost["final_val_loss"]) if row.seed in base
-                      else mean_target)
+            own = base[row.seed].cost.get("final_val_loss") if row.seed in base else None
+            target = float(own) if own is not None else mean_target
             if target is not None:
                 hit = reach(row.cost["curve"], target)
                 if hit is not None:
@@ -146,7 +147,8 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
             "accelerator_hours": _stat({r.seed: float(r.cost["accelerator_hours"])
                                         for r in group}),
             "cost": _stat({r.seed: float(r.cost["cost"]) for r in group}),
-            "final_val_loss": _stat({r.seed: float(r.cost["final_val_loss"]) for r in group}),
+            "final_val_loss": _stat({r.seed: float(r.cost["final_val_loss"]) for r in group
+                                     if r.cost.get("final_val_loss") is not None}),
             "target": {"reached": len(reached), "of": len(group),
                        "wall_s": _stat({s: h["wall_s"] for s, h in reached.items()}),
                        "cost": _stat({s: h["cost"] for s, h in reached.items()})},

@@ -22,11 +22,11 @@ from api.schemas import (
     EventBatch,
     EventKind,
     EventPublic,
-    JsonObject,
     MetricBatch,
     MetricName,
     MetricPublic,
     Page,
+    RunCostIn,
     RunCostPublic,
     RunCreate,
     RunFields,
@@ -151,11 +151,13 @@ def read_events(run_id: uuid.UUID, session: SessionDep,
 
 @router.put("/{run_id}/costs", response_model=RunCostPublic, dependencies=[WriteAuthDep],
             responses=write_responses(404))
-def put_cost(run_id: uuid.UUID, body: JsonObject, session: SessionDep) -> RunCostPublic:
+def put_cost(run_id: uuid.UUID, body: RunCostIn, session: SessionDep) -> RunCostPublic:
     """Store what the run would cost on a deployment: the record `crucible cost` writes as
     cost.json (crucible.cost.run_cost). One record per deployment name: putting the same
     deployment again replaces it. 422 for a record without its headline fields."""
-    return RunCostPublic.model_validate(costs.put_run_cost(session, run_id=run_id, record=body))
+    record = body.model_dump()
+    return RunCostPublic.model_validate(costs.put_run_cost(session, run_id=run_id,
+                                                           record=record))
 
 
 @router.get("/{run_id}/costs", response_model=list[RunCostPublic], dependencies=[ReadAuthDep],
