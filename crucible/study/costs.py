@@ -163,6 +163,14 @@ def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
                    "skipped stages cost nothing")
             out.append(f"- {record['deployment']}: skip, drop and reroute cost "
                        f"{min(ratios):.2f}-{max(ratios):.2f}x their baseline's money ({why}).")
+        labelled = [c for c in record["cheapest"] if c["label"] and c["strategy"]]
+        if labelled:
+            out.append(f"- {record['deployment']}: cheapest "
+                       + "; ".join(f"under {c['label']} failures ({labels_of(c)}, p = "
+                                   f"{c['p']:g}): {c['strategy']}"
+                                   + (" (to the baseline's loss)" if c["by"] == "target" else
+                                      " (lowest loss on the baseline's budget)")
+                                   for c in labelled) + ".")
         for cell in record["cells"]:
             if cell["strategy"] != "drop_extend" or cell["arm"] not in base:
                 continue
@@ -173,7 +181,8 @@ def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
                        f"{target['cost']['mean'] / b['cost']['mean']:.2f}x its money"
                        if target["reached"] else "never reaches the baseline's loss")
             at = cell["loss_at_budget"]["mean"]
-            out.append(f"- {record['deployment']}: drop_extend ({labels_of(cell)}, p = "
+            out.append(f"- {record['deployment']}: drop_extend ({labels_of(cell)}"
+                       + (f", {cell['label']}" if cell["label"] else "") + ", p = "
                        f"{cell['p']:g}) runs {steps:.0f} global steps against the baseline's "
                        f"{b['global_steps']['mean']:.0f} and costs {_ratio(cell, b):.2f}x its "
                        f"money; it {reached}"
@@ -187,5 +196,4 @@ def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
 def labels_of(cell: Mapping[str, Any]) -> str:
     from crucible.names import ARM_LABEL
 
-    return ARM_LABEL.get(cell["arm"], cell["arm"]) + (f", {cell['label']}" if cell["label"]
-                                                       else "")
+    return ARM_LABEL.get(cell["arm"], cell["arm"])
