@@ -1,19 +1,19 @@
-"""The sweep page's cost panel: loss against wall-clock and against money per cell (arm x
-strategy x p x label, mean curve over seeds), and the cheapest strategy at each p, for each
-deployment the sweep's runs are priced on (`crucible cost ... --api`; the records and the
-decisions are `api.costs.sweep_costs`, i.e. crucible.cost_sweep).
+"""The sweep page's cost figures: loss against wall-clock and against money per cell (arm x
+strategy x p x label, mean curve over seeds) on one deployment the sweep's runs are priced on
+(`crucible cost ... --api`; the records and the decisions are `api.costs.sweep_costs`, i.e.
+crucible.cost_sweep). The panel around them is `dashboards.pages._costs`.
 
-Pure functions from the REST shape (GET /sweeps/{ref}/costs) to Plotly figures and HTML, as the
-other figure modules; a sweep without cost records gets a one-line note and no figure.
+Pure functions from the REST shape (GET /sweeps/{ref}/costs) to Plotly figures, as the other
+figure modules; a record without evaluations gets a figure that says so.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import html
+from collections.abc import Mapping
 from typing import Any
 
 import plotly.graph_objects as go
 
-from dashboards.pages._common import esc, figure_html
 from dashboards.style import (
     STRATEGY_DASH,
     STRATEGY_SYMBOL,
@@ -25,7 +25,7 @@ from dashboards.style import (
     legend_below,
 )
 
-__all__ = ["cost_curves", "cost_panel"]
+__all__ = ["cost_curves"]
 
 _AXES = {"wall": ("wall_s", "Predicted wall-clock (h)", 1 / 3600.0),
          "money": ("cost", "Money ({currency})", 1.0)}
@@ -58,55 +58,8 @@ def cost_curves(record: Mapping[str, Any], *, axis: str) -> go.Figure:
             line={"color": arm_color(cell["arm"]), "dash": STRATEGY_DASH.get(strategy, "solid"),
                   "width": 3 if strategy == "base" else 2},
             marker={"symbol": STRATEGY_SYMBOL.get(strategy, "circle"), "size": 7},
-            hovertemplate=f"{esc(_name(cell))}<br>%{{x:.3g}}<br>val loss %{{y:.4f}}"
+            hovertemplate=f"{html.escape(_name(cell))}<br>%{{x:.3g}}<br>val loss %{{y:.4f}}"
                           "<extra></extra>"))
     base_layout(fig, title=heading, x_title=title, y_title="Validation loss", height=480)
     legend_below(fig)
     return fig
-
-
-def _money(value: Any, unit: str) -> str:
-    return f"{value:,.2f} {esc(unit)}" if finite(value) else "—"
-
-
-def _cheapest_table(record: Mapping[str, Any]) -> str:
-    unit = record.get("currency", "")
-    rows = []
-    for row in record.get("cheapest") or []:
-        if row.get("strategy") is None:
-            what = "—"
-        elif row.get("by") == "target":
-            what = f"{_money(row.get('cost'), unit)} to the baseline's loss"
-        else:
-            loss = row.get("loss_at_budget")
-            what = ("no strategy reaches the baseline's loss in every seed; lowest loss on "
-                    f"its budget: {loss:.4f}" if finite(loss) else "—")
-        rows.append(f'<tr><td>{esc(arm_label(row["arm"]))}</td><td>{esc(row.get("label") or "—")}'
-                    f'</td><td>{row["p"]:g}</td><td data-cheapest="{esc(row.get("strategy"))}">'
-                    f'<strong>{esc(row.get("strategy") or "—")}</strong></td><td>{what}</td></tr>')
-    head = ("<tr><th>arm</th><th>variant</th><th>p</th><th>cheapest strategy</th>"
-            "<th>why</th></tr>")
-    return f'<table class="data cheapest">{head}{"".join(rows)}</table>'
-
-
-def cost_panel(records: Sequence[Mapping[str, Any]]) -> str:
-    """The Costs section: per priced deployment, its cheapest-strategy table and two figures."""
-    if not records:
-        return ('<section id="costs"><h2>Costs</h2><p>No run of this sweep is priced yet: '
-                "<code>crucible cost SWEEP_FOLDER --deployment FILE --api URL</code> "
-                "(docs/OPERATIONS.md, \"Cost of a run\").</p></section>")
-    parts = ['<section id="costs"><h2>Costs</h2>',
-             "<p>Predicted by <code>crucible cost</code> from what each run recorded "
-             "(crucible/cost.py): every provisioned accelerator is paid for the whole "
-             "wall-clock. Target: the same-seed baseline's final loss; budget: the baseline's "
-             "money.</p>"]
-    for index, record in enumerate(records):
-        name = record.get("deployment", "")
-        parts += [f'<h3 data-deployment="{esc(name)}">{esc(name)} '
-                  f'({esc(str(record.get("pricing", "")).replace("_", " "))})</h3>',
-                  _cheapest_table(record), '<div class="grid">',
-                  figure_html(cost_curves(record, axis="wall"), f"fig-cost-wall-{index}"),
-                  figure_html(cost_curves(record, axis="money"), f"fig-cost-money-{index}"),
-                  "</div>"]
-    parts.append("</section>")
-    return "".join(parts)

@@ -10,7 +10,6 @@ from typing import Any
 
 from crucible.stats import claim_rows
 from dashboards import accounting, figures
-from dashboards.costs import cost_panel
 from dashboards.datasets import export_links, robustness_rows, run_rows, table_rows
 from dashboards.pages._common import (
     Live,
@@ -29,6 +28,7 @@ from dashboards.pages._common import (
     status_text,
     strategy_text,
 )
+from dashboards.pages._costs import cost_panel
 from dashboards.pages._widgets import (
     COMPARE_PATH,
     compare_form,
