@@ -40,7 +40,8 @@ deadline are paid for. Money is accelerator-hours x the price per hour, on deman
 `cost` is the one the deployment's `pricing` names. `busy_fraction` is the share of those
 accelerator-seconds spent computing inner steps. `curve` is the loss against wall-clock and money
 at each evaluation, from the initial loss (the recorded one, else ln V: a fresh model's) at the
-end of start-up.
+end of start-up. `replay_matches` says whether the replayed rounds give the inner steps and
+donor loads the run recorded (None where it cannot be checked: a run with real kills).
 
 Not modelled: micro-batch pipelining inside an inner step, contention of a donor's boundary
 link, store egress prices, evaluation by one replica only (every replica evaluates, in
@@ -164,6 +165,22 @@ def _replay(summary: Mapping[str, Any], config: Any) -> list[_Round]:
     return rounds
 
 
+def _replay_check(summary: Mapping[str, Any], config: Any,
+                  rounds: Sequence[_Round]) -> bool | None:
+    """Whether the replayed rounds give the inner steps and donor loads the run recorded (None
+    for a run with real kills, whose dead rounds the plan does not hold, or without the
+    counts)."""
+    if (summary.get("distributed") or {}).get("kills") or "inner_steps" not in summary:
+        return None
+    H = config.sparseloco.inner_steps
+    R, S = config.replicas, config.pipeline.stages
+    steps = [[H * sum(int(one.active[r][s]) for one in rounds[1:]) for s in range(S)]
+             for r in range(R)]
+    donors = [[H * sum(one.extra[r][s] for one in rounds[1:]) for s in range(S)]
+              for r in range(R)]
+    return steps == summary["inner_steps"] and donors == summary.get("donor_load", donors)
+
+
 def run_cost(summary: Mapping[str, Any], deployment: Deployment) -> dict[str, Any]:
     """The cost record of one run (see the module docstring for the model)."""
     return run_costs(summary, [deployment])[0]
@@ -175,7 +192,9 @@ def run_costs(summary: Mapping[str, Any], deployments: Sequence[Deployment]
     config = _config(summary)
     try:
         rounds = _replay(summary, config)
-        return [_priced(summary, config, rounds, d) for d in deployments]
+        check = _replay_check(summary, config, rounds)
+        return [{**_priced(summary, config, rounds, d), "replay_matches": check}
+                for d in deployments]
     except KeyError as exc:
         raise CostError(f"the summary has no {exc.args[0]!r}: price a summary.json that "
                         "crucible run, launch or a study wrote") from None

@@ -29,7 +29,7 @@ def study_costs(data: Any, deployments: Sequence[str] = DEPLOYMENTS) -> list[dic
 
     loaded = [load_deployment(DEPLOYMENTS_DIR / f"{name}.toml") for name in deployments]
     rows: list[list[Any]] = [[] for _ in loaded]
-    unpriced = 0
+    unpriced, matched, priced_runs = 0, 0, 0
     for key in data.keys:
         for seed, summary in sorted(data.runs(key).items()):
             try:
@@ -37,6 +37,8 @@ def study_costs(data: Any, deployments: Sequence[str] = DEPLOYMENTS) -> list[dic
             except CostError:
                 unpriced += 1
                 continue
+            priced_runs += 1
+            matched += costs[0]["replay_matches"] is True
             for i, cost in enumerate(costs):
                 rows[i].append(CostRow(key=key, seed=seed, name=f"{key.name}-s{seed}",
                                        cost=cost))
@@ -45,6 +47,7 @@ def study_costs(data: Any, deployments: Sequence[str] = DEPLOYMENTS) -> list[dic
         record = sweep_costs(priced)
         record["description"] = deployment.description
         record["unpriced"] = unpriced
+        record["replayed"] = [matched, priced_runs]
         out.append(record)
     return out
 
@@ -92,10 +95,13 @@ def cost_section(data: Any, labels: Mapping[str, str],
     records = study_costs(data) if records is None else records
     if not records or not any(r["cells"] for r in records):
         return []
+    matched, total = records[0].get("replayed") or (0, 0)
     out = ["## Beyond the blog: what it costs", "",
            "Every committed run priced on the shipped deployments by `crucible cost` "
            "(crucible/cost.py: each round replayed from the run's fault plan through its own "
-           "strategy; a round takes its slowest replica's inner steps, boundary transfers and "
+           f"strategy, which gives the inner steps and donor loads {matched} of the {total} "
+           "runs recorded; a round takes its slowest "
+           "replica's inner steps, boundary transfers and "
            "store traffic; every provisioned accelerator is paid for the whole wall-clock, idle "
            "under drop or not). The deployments' numbers are assumptions stated in their files "
            "(`infra/deployments/`), not measurements; each prices an inner step as the blog's "

@@ -248,3 +248,18 @@ def test_sweep_costs_pairs_by_seed_and_names_the_cheapest():
                                    "strategy": "drop_extend", "by": "target",
                                    "cost": pytest.approx((15 + 40 / 3) / 2),
                                    "loss_at_budget": pytest.approx(2.5)}]
+
+
+@pytest.mark.parametrize("cell", ["table1-d128/none-reroute-p0.2-s0",
+                                  "table1-d128/none-drop_extend-p0.2-s0",
+                                  "processes/none-skip-p0.1-spot-s3"])
+def test_replay_gives_the_inner_steps_and_donor_loads_the_run_recorded(cell):
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "results" / f"{cell}.json"
+    summary = json.loads(path.read_text())
+    assert run_cost(summary, _deployment(compute={"step_s": 1.0}))["replay_matches"] is True
+    summary["donor_load"][0][1] += 1      # a record the plan cannot explain
+    summary["inner_steps"][0][0] += 16
+    assert run_cost(summary, _deployment(compute={"step_s": 1.0}))["replay_matches"] is False
