@@ -59,7 +59,7 @@ __all__ = [
     "RunPublic", "MetricIn", "MetricPublic", "EventIn", "EventPublic", "MetricBatch",
     "EventBatch", "BatchResult", "Page", "Health", "Readiness", "ErrorItem", "ErrorResponse",
     "check_text", "TAG_PATTERN", "MAX_TAGS", "MAX_NOTES", "Tags", "RunFields", "SweepFields",
-    "field_names",
+    "field_names", "RunCostIn", "RunCostPublic", "CostPoint",
 ]
 
 MAX_BATCH_ITEMS = 10_000
@@ -387,6 +387,58 @@ SweepFields = _selection(SweepPublic, "SweepFields")
 # replaced (only an item that is not an object now reads "Input should be a valid dictionary");
 # no docstring, it would become the schema's description. Validated items are dicts with all
 # five keys (tokens and replica default to None).
+Money = Annotated[float, Strict(), Field(ge=0, le=MAX_JSON_NUMBER, allow_inf_nan=False)]
+
+
+class CostPoint(BaseModel):
+    model_config = _IN
+    global_step: Step
+    val_loss: Loss
+    wall_s: Money
+    cost: Money
+    accelerator_hours: Money | None = None
+
+
+class RunCostIn(BaseModel):
+    """A run's cost record on one deployment, as `crucible cost` writes it (cost.json,
+    crucible.cost.run_cost): the headline fields below are checked, the rest of the record
+    (breakdown_s, money, stage_step_s, ...) is kept as sent."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # type: ignore[assignment]
+    deployment: Text(200, 1)  # type: ignore[valid-type]
+    model: Text(64, 1) = Field(description="the cost model's version "  # type: ignore[valid-type]
+                                           "(crucible.cost.COST_MODEL)")
+    pricing: Literal["on_demand", "spot"]
+    currency: Text(16, 1)  # type: ignore[valid-type]
+    wall_s: Money
+    accelerator_hours: Money
+    cost: Money
+    final_val_loss: Loss | None = None
+    curve: list[CostPoint] = Field(default_factory=list, max_length=100_000,
+                                   description="the loss against wall-clock and money at each "
+                                               "evaluation")
+
+    @model_validator(mode="after")
+    def _json_limits(self) -> RunCostIn:
+        _check_json(self.model_dump())
+        return self
+
+
+class RunCostPublic(BaseModel):
+    model_config = _OUT
+    run_id: uuid.UUID
+    deployment: str
+    model: str = Field(description="the cost model's version (crucible.cost.COST_MODEL)")
+    pricing: str = Field(description="on_demand or spot: the price `cost` is in")
+    currency: str
+    wall_s: float = Field(description="predicted wall-clock seconds on the deployment")
+    accelerator_hours: float = Field(description="every provisioned accelerator for the whole "
+                                                 "wall-clock, idle ones included")
+    cost: float = Field(description="accelerator_hours x the price per hour of `pricing`")
+    record: dict[str, Any] = Field(description="the whole record (crucible.cost.run_cost)")
+    updated_at: datetime
+
+
 class MetricIn(TypedDict):
     __pydantic_config__ = _IN  # type: ignore[misc]
     name: MetricName

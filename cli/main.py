@@ -7,6 +7,7 @@ dashboards meet.
     crucible sweep ... | crucible deploy ...      (flows)
     crucible launch --nproc R [--preset NAME] --out DIR [--kill R@STEP ...]   (distributed)
     crucible report SWEEP --out FILE.html         (dashboards; SWEEP = name or UUID)
+    crucible cost RUN_OR_SWEEP --deployment FILE  (wall-clock, accelerator-hours, money)
     crucible api ... | crucible db upgrade        (registry)
 
 Exit codes: 0 success, 2 bad input or a run this machine cannot start (one `error:` line names
@@ -486,6 +487,9 @@ def _register_packages() -> None:
     from cli.study import register as register_study  # crucible study run|render
 
     register_study(app)
+    from cli.cost import register as register_cost  # crucible cost
+
+    register_cost(app)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, get_args
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from api import analysis, crud, records
+from api import analysis, costs, crud, records
 from api.errors import InvalidInputError, NotFoundError
 from api.schemas import (
     TAG_PATTERN,
@@ -32,7 +32,7 @@ from api.schemas import (
     SweepStatus,
 )
 from crucible.names import UNFINISHED_STATUSES
-from db.models import Event, Metric, Run, Sweep
+from db.models import Event, Metric, Run, RunCost, Sweep
 
 __all__ = ["sweep_view", "run_view", "index_view", "compare_view", "run_state", "sweep_state", "INDEX_FILTERS",
            "MAX_EVENTS", "MAX_TRAIN_STEPS", "LIVE_STATUSES"]
@@ -80,7 +80,7 @@ def _val_loss(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
 
 
 def sweep_view(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
-    """{"sweep", "robustness", "table", "claims", "runs"} of a sweep, as plain JSON-ready
+    """{"sweep", "robustness", "table", "claims", "costs", "runs"} of a sweep, as plain JSON-ready
     dicts (the REST shapes).
 
     Raises `api.errors.NotFoundError` for an unknown sweep.
@@ -99,7 +99,16 @@ def sweep_view(session: Session, *, sweep_id: uuid.UUID) -> dict[str, Any]:
             "robustness": {**robustness, "sweep_id": str(sweep_id)},
             "table": {**table, "sweep_id": str(sweep_id)},
             "claims": claims,
+            "costs": _sweep_costs(session, sweep_id),
             "runs": [_run_dict(r) for r in runs]}
+
+
+def _sweep_costs(session: Session, sweep_id: uuid.UUID) -> list[dict[str, Any]]:
+    """The sweep's decisions by cost on each deployment its runs are priced on (none: [])."""
+    names = session.scalars(select(RunCost.deployment).join(Run, RunCost.run_id == Run.id)
+                            .where(Run.sweep_id == sweep_id).distinct()).all()
+    return [costs.sweep_costs(session, sweep_id=sweep_id, deployment=name)
+            for name in sorted(names)]
 
 
 def _train_loss(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:

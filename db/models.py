@@ -37,7 +37,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from crucible.names import RUN_STATUSES, SWEEP_STATUSES
 
-__all__ = ["Base", "Sweep", "Run", "Metric", "Event", "ApiToken", "RUN_STATUSES", "SWEEP_STATUSES",
+__all__ = ["Base", "Sweep", "Run", "Metric", "Event", "RunCost", "ApiToken", "RUN_STATUSES", "SWEEP_STATUSES",
            "utcnow"]
 
 
@@ -168,6 +168,28 @@ class Event(Base):
         Index("uq_events_run_event", "run_id", "event_id", unique=True),
         Index("ix_events_run_step", "run_id", "global_step", "pk"),
     )
+
+
+class RunCost(Base):
+    """What a run would cost on one deployment (crucible.cost): the record, its headline
+    numbers as columns; one row per (run, deployment name)."""
+    __tablename__ = "run_costs"
+
+    id: Mapped[int] = mapped_column(BigIntPk, primary_key=True, autoincrement=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    deployment: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(64))
+    pricing: Mapped[str] = mapped_column(String(16))
+    currency: Mapped[str] = mapped_column(String(16))
+    wall_s: Mapped[float] = mapped_column(Float)
+    accelerator_hours: Mapped[float] = mapped_column(Float)
+    cost: Mapped[float] = mapped_column(Float)
+    record: Mapped[dict[str, Any]] = mapped_column(JsonType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
+                                                 onupdate=utcnow)
+
+    __table_args__ = (Index("uq_run_costs_run_deployment", "run_id", "deployment", unique=True),)
 
 
 class ApiToken(Base):

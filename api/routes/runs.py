@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from api import crud, pagination, records
+from api import costs, crud, pagination, records
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
 from api.routes import FieldsQuery, KnownQueryDep, TagQuery, selected_fields
@@ -26,6 +26,8 @@ from api.schemas import (
     MetricName,
     MetricPublic,
     Page,
+    RunCostIn,
+    RunCostPublic,
     RunCreate,
     RunFields,
     RunPublic,
@@ -145,3 +147,21 @@ def read_events(run_id: uuid.UUID, session: SessionDep,
     items = [EventPublic(id=e.event_id, kind=e.kind, global_step=e.global_step,
                          replica=e.replica, stage=e.stage, detail=e.detail) for e in rows]
     return Page[EventPublic](items=items, next_cursor=next_cursor)
+
+
+@router.put("/{run_id}/costs", response_model=RunCostPublic, dependencies=[WriteAuthDep],
+            responses=write_responses(404))
+def put_cost(run_id: uuid.UUID, body: RunCostIn, session: SessionDep) -> RunCostPublic:
+    """Store what the run would cost on a deployment: the record `crucible cost` writes as
+    cost.json (crucible.cost.run_cost). One record per deployment name: putting the same
+    deployment again replaces it. 422 for a record without its headline fields."""
+    record = body.model_dump()
+    return RunCostPublic.model_validate(costs.put_run_cost(session, run_id=run_id,
+                                                           record=record))
+
+
+@router.get("/{run_id}/costs", response_model=list[RunCostPublic], dependencies=[ReadAuthDep],
+            responses=read_responses(404))
+def get_costs(run_id: uuid.UUID, session: SessionDep) -> list[RunCostPublic]:
+    """The run's cost records, one per deployment, by deployment name."""
+    return [RunCostPublic.model_validate(c) for c in costs.list_run_costs(session, run_id=run_id)]

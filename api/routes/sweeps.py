@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query
 from pydantic import AfterValidator
 
-from api import analysis, crud, pagination
+from api import analysis, costs, crud, pagination
 from api.analysis_schemas import ClaimsPublic, RobustnessPublic, TablePublic
 from api.deps import ReadAuthDep, SessionDep, WriteAuthDep
 from api.errors import read_responses, write_responses
@@ -123,3 +123,18 @@ def table(sweep_ref: SweepRef, session: SessionDep) -> TablePublic:
     "<compression>/<strategy>"."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
     return TablePublic.model_validate(analysis.sweep_table(session, sweep_id=sweep_id))
+
+
+@router.get("/{sweep_ref}/costs", dependencies=[ReadAuthDep], responses=read_responses(404))
+def sweep_costs(sweep_ref: SweepRef, session: SessionDep,
+                deployment: Annotated[str | None, Query(
+                    max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$",
+                    description="the deployment name; needed only when the sweep's runs are "
+                                "priced on several")] = None) -> dict[str, Any]:
+    """Decisions by cost from the sweep's runs' cost records (`crucible cost ... --api`): per
+    cell (arm, strategy, p, label) over its seeds, wall-clock, money and final loss with 95%
+    intervals, the time and money to reach the same-seed baseline's final loss (or "not
+    reached"), the loss on the baseline's budget, the loss-against-time-and-money curve, and
+    the cheapest strategy at each p (crucible.cost_sweep). 404 when no run is priced."""
+    sweep_id = crud.resolve_sweep(session, sweep_ref).id
+    return costs.sweep_costs(session, sweep_id=sweep_id, deployment=deployment)

@@ -178,6 +178,20 @@ class ApiClient:
         config_hash, code_version, tag), following pagination."""
         return list(self._pages(f"{_PREFIX}/runs", filters))
 
+    # ------------------------------------------------------------ costs (crucible cost)
+
+    def put_run_cost(self, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
+        """PUT the run's cost record on one deployment (crucible.cost.run_cost; replaces an
+        earlier record of the same deployment name)."""
+        return self.request("PUT", f"{_PREFIX}/runs/{run_id}/costs", json_body=record)
+
+    def run_costs(self, run_id: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"{_PREFIX}/runs/{run_id}/costs")
+
+    def sweep_costs(self, sweep_id: str, *, deployment: str | None = None) -> dict[str, Any]:
+        params = None if deployment is None else {"deployment": deployment}
+        return self.request("GET", f"{_PREFIX}/sweeps/{sweep_id}/costs", params=params)
+
     # ------------------------------------------------------------ metrics and events
 
     def post_metrics(self, run_id: str, items: list[dict[str, Any]], *,

@@ -226,6 +226,9 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         from crucible.study.scale import scale_section
 
         extras += scale_section(data, ARM_LABEL)
+    from crucible.study.costs import cost_section
+
+    costs = cost_section(data, ARM_LABEL)
     return _template().render(
         title=spec.title or "Failure study: the blog's Table 1 and Figure 3, with intervals",
         command=spec.command, results=spec.shown(spec.results_dir),
@@ -247,7 +250,7 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         machines="; ".join(f"{name} ({n} runs)" for name, n in sorted(setting["machines"].items())),
         preset_note=setting["source"] == "preset" and setting["runs"],
         shapes=setting["shapes"], digests=setting["digests"], undigested=setting["undigested"],
-        notes=spec.notes, pilots=pilots, extras=extras,
+        notes=spec.notes, pilots=pilots, extras=extras, costs=costs,
         table1=_lines(_table1(data)), target=f"{spec.target_half_width:g}",
         cells_table=_lines(_cells_table(data)), baselines_table=_lines(_baselines_table(data)),
         claims=claims, claims_table=_lines(_claims_table(spec, claims)),

@@ -28,6 +28,7 @@ from dashboards.pages._common import (
     status_text,
     strategy_text,
 )
+from dashboards.pages._costs import cost_panel
 from dashboards.pages._widgets import (
     COMPARE_PATH,
     compare_form,
@@ -244,11 +245,11 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
                flow_run_href: PrefectHref | None = None,
                compare_action: str | None = COMPARE_PATH, live: Live | None = None) -> str:
     """The sweep overview: tags, notes, status banners, the Claims panel, robustness curves,
-    Table 1, tokens,
-    bytes, runs; every figure and table with CSV/JSON downloads of its data.
+    Table 1, tokens, bytes, costs (dashboards.costs), runs; every figure and table with CSV/JSON
+    downloads of its data.
 
     `view` = {"sweep": {id, name, status, tags, notes, ...}, "robustness": ..., "table": ...,
-    "claims": ..., "runs": [...]} in the registry's shapes. `run_href` maps a run id to its page (None: no
+    "claims": ..., "costs": [...], "runs": [...]} in the registry's shapes. `run_href` maps a run id to its page (None: no
     links); `flow_run_href` a Prefect flow-run id to its page in the Prefect UI (None: the id is
     shown without a link); `compare_action` is the compare page (None: runs cannot be selected,
     as in the offline file); `live` makes the served page refresh itself while the sweep runs.
@@ -279,6 +280,7 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
         figure_html(accounting.bytes_sent(runs), "fig-bytes",
                     extra=export_links(f"{name}-bytes", _byte_rows(runs), label="bytes sent")),
         "</div>",
+        cost_panel(view.get("costs") or []),
         f"<h2>Runs ({len(runs)})</h2>",
         (compare_form(table, compare_action) if compare_action else table) if runs
         else "<p>No runs yet.</p>",

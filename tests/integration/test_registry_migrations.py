@@ -12,7 +12,7 @@ from db.models import Base
 
 pytestmark = pytest.mark.integration
 
-_TABLES = {"sweeps", "runs", "metrics", "events", "api_tokens"}
+_TABLES = {"sweeps", "runs", "metrics", "events", "run_costs", "api_tokens"}
 
 
 def _tables(url: str) -> set[str]:

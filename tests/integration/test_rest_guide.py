@@ -93,6 +93,10 @@ def test_rest_guide_examples_run_against_the_api(client: Any) -> None:
             assert answer["items"], f"{url} lists nothing: its filters match no example data"
         if "/robustness" in url:
             assert len(answer["missing_baselines"]) == 1, answer
+        if url.endswith("/costs") and method == "GET":
+            assert answer and answer[0]["deployment"] == "cloud-8x4-spot", answer
+        if "/sweeps/$SWEEP_ID/costs" in url:
+            assert answer["cells"][0]["strategy"] == "skip", answer
         ran.append(f"{method} {url.split('?')[0]}")
     assert ran == [
         "POST $CRUCIBLE_API/api/v1/sweeps", "POST $CRUCIBLE_API/api/v1/runs",
@@ -109,5 +113,8 @@ def test_rest_guide_examples_run_against_the_api(client: Any) -> None:
         "GET $CRUCIBLE_API/api/v1/sweeps/rest%20guide%20sweep",
         "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/robustness",
         "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/table",
-        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/claims"]
+        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/claims",
+        "PUT $CRUCIBLE_API/api/v1/runs/$RUN_ID/costs",
+        "GET $CRUCIBLE_API/api/v1/runs/$RUN_ID/costs",
+        "GET $CRUCIBLE_API/api/v1/sweeps/$SWEEP_ID/costs"]
     assert env["CURSOR"]
