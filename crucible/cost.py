@@ -18,9 +18,17 @@ of a distributed run (`distributed.kills`). The model, per global step (an outer
   made); each replica uploads its contributions and downloads the other contributions of its S
   stages through the store link (2 x store latency), plus `sync_compute_s`; the round takes the
   slowest replica.
-- Waits. A round in which a killed process's contribution is expected but missing costs every
-  replica the round deadline (`round_timeout_s`: the deployment's, else the run's): a kill costs
-  at least its own round, and one more for each round that `restart_s + rejoin_s` outlasts; a
+- Waits for real kills (a distributed run's planned `distributed.kills` and the unplanned deaths
+  in `distributed.recoveries`). With the run's heartbeat lease (`distributed.lease_s` > 0,
+  crucible.distributed.liveness) the others wait, in the round of the kill, until the new
+  process announces itself or the lease runs out (`min(lease, restart_s)`, less their own work);
+  in the next round, for the restarted replica's contribution, which lands `restart_s +
+  rejoin_s` after the kill plus a round's work, at most the deadline (`round_timeout_s`: the
+  deployment's, else the run's), once; a replica that misses that round too is not waited for
+  again until it is back (then for the rest of the round it came back in). A replica that
+  never returns costs only the round of its kill. Without a lease (runs from before it, or `--lease-s 0`) a round in which a
+  killed process's contribution is missing costs every replica the deadline: a kill costs at
+  least its own round, and one more for each round that `restart_s + rejoin_s` outlasts; a
   replica killed for good costs the deadline in every round after its kill. Planned failures
   (skip, drop, reroute) cost no wait: their missing contributions are known in advance.
 - Scale. With the deployment's `workload.preset`, the inner step, boundary bytes and
@@ -109,21 +117,71 @@ def _config(summary: Mapping[str, Any]) -> Any:
                         "by this version of crucible") from None
 
 
+def _kills(distributed: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The run's real kills: the planned ones, and the unplanned deaths its lives recorded."""
+    lost = {int(row["replica"]) for row in distributed.get("lost") or []}
+    kills = [dict(k) for k in distributed.get("kills") or []]
+    kills += [{"replica": int(row["replica"]), "global_step": int(row["killed_at_step"]),
+               "rejoin": int(row["replica"]) not in lost}
+              for row in distributed.get("recoveries") or [] if row.get("planned") is False]
+    return kills
+
+
 def _kill_waits(kills: Sequence[Mapping[str, Any]], deployment: Deployment, *,
-                steps: int, round_s: float, timeout_s: float) -> dict[int, set[int]]:
-    """Per global step, the killed replicas whose contributions the others wait for."""
+                steps: int, round_s: float, timeout_s: float,
+                lease_s: float = 0.0) -> tuple[dict[int, set[int]], dict[int, float]]:
+    """Per global step: the killed replicas missing from it, and the seconds every other
+    replica waits in it (the module docstring, "Waits for real kills")."""
     absent: dict[int, set[int]] = {}
+    waits: dict[int, float] = {}
+
+    def wait(g: int, seconds: float) -> None:
+        waits[g] = max(waits.get(g, 0.0), seconds)
+
     back_after = deployment.restart_s + deployment.rejoin_s
     for kill in kills:
         replica, start = int(kill["replica"]), int(kill["global_step"])
-        elapsed, g = 0.0, start
-        while g < steps:
-            absent.setdefault(g, set()).add(replica)
-            elapsed += round_s + timeout_s
-            g += 1
-            if kill.get("rejoin", True) and elapsed >= back_after:
+        if start >= steps:
+            continue
+        rejoin = kill.get("rejoin", True)
+        if lease_s <= 0:                       # no lease: the deadline while it is missing
+            elapsed, g = 0.0, start
+            while g < steps:
+                absent.setdefault(g, set()).add(replica)
+                wait(g, timeout_s)
+                elapsed += round_s + timeout_s
+                g += 1
+                if rejoin and elapsed >= back_after:
+                    break
+            continue
+        absent.setdefault(start, set()).add(replica)
+        detected = min(lease_s, deployment.restart_s)
+        first = min(timeout_s, max(0.0, detected - round_s))    # the deadline still bounds it
+        wait(start, first)
+        if not rejoin:
+            continue
+        elapsed = round_s + first            # seconds after the kill when round start + 1 begins
+        awaited = False
+        for g in range(start + 1, steps):
+            # it trains round g from when it is back: its contribution lands `late` after the
+            # others' own work
+            late = back_after - elapsed
+            if late <= 0:
+                break                          # back in step with the others
+            if not awaited:                    # coming back: waited for once, to the deadline
+                awaited = True
+                if late <= timeout_s:
+                    wait(g, late)
+                    break
+                wait(g, timeout_s)
+                elapsed += round_s + timeout_s
+            elif late <= round_s:              # back during this round, training it: waited for
+                wait(g, late)
                 break
-    return absent
+            else:                              # still coming back: not waited for again
+                elapsed += round_s
+            absent.setdefault(g, set()).add(replica)
+    return absent, waits
 
 
 @dataclass(frozen=True)
@@ -231,8 +289,9 @@ def _priced(summary: Mapping[str, Any], config: Any, rounds: Sequence[_Round],
         return _round(one, t, crossing_s, per_contribution, store, deployment, H=H)
 
     # the kills' waits need the length of a round without them: the fault-free round's
-    absent = _kill_waits(distributed.get("kills") or [], deployment, steps=steps,
-                         round_s=priced(rounds[0])[0], timeout_s=timeout_s)
+    absent, waits = _kill_waits(_kills(distributed), deployment, steps=steps,
+                                round_s=priced(rounds[0])[0], timeout_s=timeout_s,
+                                lease_s=float(distributed.get("lease_s") or 0.0))
     totals = {"compute_s": 0.0, "boundary_s": 0.0, "store_s": 0.0, "wait_s": 0.0}
     busy_s = 0.0
     ends: list[float] = []          # wall-clock at the end of each round, before evaluations
@@ -240,7 +299,7 @@ def _priced(summary: Mapping[str, Any], config: Any, rounds: Sequence[_Round],
     for g, one in enumerate(rounds[1:]):
         gone = absent.get(g, set())
         total, parts, busy = priced(one.without(gone) if gone else one)
-        wait = timeout_s if gone else 0.0
+        wait = waits.get(g, 0.0)
         for key, value in parts.items():
             totals[key] += value
         totals["wait_s"] += wait

@@ -13,12 +13,13 @@ process observed (no two hosts' clocks are compared). The rule:
 
 - no beat yet (the run is starting): wait, as without a lease;
 - `gone` or `done`: do not wait;
-- fresh: wait if this life contributes to round g (`from <= g`); a restarted process that is
-  still catching up to a later round is not waited for;
+- fresh and training: wait if this life contributes to round g (`from <= g`);
 - stale (the process is dead): not in the round it died in (its contribution can no longer
-  come). In a later round, if the replica has lives left (its agent will restart it), wait for
-  it once: until its new life announces itself or the round's deadline, whichever is first.
-  Otherwise (no lives left, or already waited for once) do not wait.
+  come); in a later round, if the replica has lives left (its agent will restart it), it is
+  *coming back*; so is a fresh life still catching up to a step at or before g (one catching up
+  to a later step is not waited for). A replica coming back is waited for once per life it
+  comes back as: in one round, until its contribution or the deadline; not again until that
+  life trains. Otherwise (no lives left) do not wait.
 
 So a dead replica costs its peers at most one lease in the round it died in and at most one
 deadline (usually the few seconds of its restart) after it, not one deadline per round. The
@@ -184,6 +185,21 @@ class PeerWatch:
     def fresh(self, r: int) -> bool:
         return r in self.changed_at and self.clock() - self.changed_at[r] <= self.lease_s
 
+    def _returning(self, r: int, global_step: int) -> int | None:
+        """The life replica r is coming back as, if it may contribute to `global_step` but is
+        not training yet: its dead life's successor (the life died in an earlier round and has
+        lives left), or a restarted life still catching up to a step at or before this one."""
+        beat = self.beats[r]
+        assert beat is not None
+        start = beat["from"] if beat["from"] is not None else 0
+        if self.fresh(r):
+            return beat["life"] if beat["state"] == "catching_up" and start <= global_step \
+                else None
+        died_in = beat["round"] if beat["round"] is not None else start
+        if global_step > died_in and beat["life"] + 1 < self.lives[r]:
+            return beat["life"] + 1
+        return None
+
     def waits_for(self, r: int, global_step: int) -> bool:
         """Whether replica r's contribution to `global_step` is still worth waiting for."""
         beat = self.beats.get(r)
@@ -192,21 +208,19 @@ class PeerWatch:
         if beat["state"] in ("gone", "done"):
             return False
         start = beat["from"] if beat["from"] is not None else 0
-        if self.fresh(r):
+        if self.fresh(r) and beat["state"] == "training":
             return start <= global_step
-        died_in = beat["round"] if beat["round"] is not None else start
-        if global_step <= died_in:
-            return False
-        return beat["life"] + 1 < self.lives[r] and self._awaited.get(r) != beat["life"]
+        returning = self._returning(r, global_step)
+        return returning is not None and self._awaited.get(r) != returning
 
     def round_over(self, global_step: int) -> None:
-        """After round `global_step`: a dead life that could have been waited for in it (it
-        died in an earlier round) has had its one wait, whether or not this process got to
-        ask (another peer's manifest may have ended the round first)."""
+        """After round `global_step`: a replica coming back (dead with lives left, or catching
+        up) that could have been waited for in it has had its one wait, whether or not this
+        process got to ask (another peer's manifest may have ended the round first)."""
         for r in self.peers:
             beat = self.beats.get(r)
-            if beat is None or self.fresh(r) or beat["state"] in ("gone", "done"):
+            if beat is None or beat["state"] in ("gone", "done"):
                 continue
-            died_in = beat["round"] if beat["round"] is not None else (beat["from"] or 0)
-            if died_in < global_step:
-                self._awaited[r] = beat["life"]
+            returning = self._returning(r, global_step)
+            if returning is not None:
+                self._awaited[r] = returning

@@ -382,14 +382,20 @@ def _extras(data: StudyData, img: Mapping[str, str]) -> list[str]:
         return []
     out = ["## Beyond the blog: other strategies and variants", "",
            "Each row: the same arm's cells at one p, degradation in % with the 95% interval; "
-           "variants are the labelled grid blocks (their overrides below).", ""]
+           "variants are the labelled grid blocks (their overrides below). \"Minus skip\" is "
+           "paired by seed: another strategy against the same variant's skip where the variant "
+           "has one (the same failure schedule), a variant's skip against the unlabelled "
+           "skip.", ""]
     groups = sorted({(k.arm, k.p) for k in extra_keys}, key=lambda g: (ARMS.index(g[0]), g[1]))
     for arm, p in groups:
         keys = [k for k in data.grid() if k.arm == arm and k.p == p]
         out += [f"**{ARM_LABEL[arm]}, p = {p:g}**", ""]
         rows = []
-        ref = data.find(arm, "skip", p)
         for key in keys:
+            # another strategy against the same variant's skip (its failure schedule, seed by
+            # seed) where it has one; a variant's skip against the unlabelled skip
+            ref = (key.strategy != "skip" and data.find(arm, "skip", p, key.label)) \
+                or data.find(arm, "skip", p)
             s = data.stat(key)
             vs = "-"
             if ref is not None and key != ref:

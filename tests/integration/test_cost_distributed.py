@@ -1,6 +1,7 @@
 """`crucible cost` on a real distributed run (`crucible launch`, R = 2 processes, replica 1
-SIGKILLed and restarted): the model waits out the round the run really missed, and prices the
-kill at the round deadline over the same run without it (a slow test: two launches)."""
+SIGKILLed and restarted): the model names the round the run really missed and prices the kill
+over the same run without it at the lease's wait, not the deadline (a slow test: two
+launches)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 THIS_MACHINE = Path(__file__).resolve().parents[2] / "infra" / "deployments" / "this-machine.toml"
 
 
-def test_cost_of_a_killed_distributed_run_waits_out_the_missed_round(tmp_path: Path) -> None:
+def test_cost_of_a_killed_distributed_run_names_the_missed_round(tmp_path: Path) -> None:
     config = apply_overrides(get_preset("smoke"), ["replicas=2", "train.global_steps=4",
                                                    "sparseloco.round_timeout_s=3"])
     killed = launch(config, out_dir=tmp_path / "killed",
@@ -29,12 +30,16 @@ def test_cost_of_a_killed_distributed_run_waits_out_the_missed_round(tmp_path: P
     result = _crucible_here("cost", tmp_path / "killed", "--deployment", THIS_MACHINE)
     assert result.returncode == 0, result.stderr
     cost = json.loads((tmp_path / "killed" / "cost.json").read_text())
-    # the round the killed replica missed, and only it, costs the others the deadline
+    # the round the killed replica missed, and only it, is the kill's; with the run's heartbeat
+    # lease the others wait there until the restarted process announces itself (this
+    # machine's restart_s), less their own round's work, never the 3 s deadline
     assert cost["kill_wait_rounds"] == killed["distributed"]["missing_rounds"]["1"]
-    assert cost["breakdown_s"]["wait_s"] == pytest.approx(3.0)
+    assert killed["distributed"]["lease_s"] > 0
+    deployment = load_deployment(THIS_MACHINE)
+    assert 0 <= cost["breakdown_s"]["wait_s"] <= deployment.restart_s < 3.0
     whole = launch(config, out_dir=tmp_path / "whole")
     priced = run_cost(whole, load_deployment(THIS_MACHINE))
     assert priced["kill_wait_rounds"] == []
-    # the killed run differs from its twin by the deadline, less the dead replica's work
-    assert 0 < cost["wall_s"] - priced["wall_s"] <= 3.0
+    # the killed run differs from its twin by at most the restart, less the dead replica's work
+    assert cost["wall_s"] - priced["wall_s"] <= deployment.restart_s
     assert cost["measured_wall_s"] == killed["wall_s"]

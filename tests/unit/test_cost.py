@@ -263,3 +263,53 @@ def test_replay_gives_the_inner_steps_and_donor_loads_the_run_recorded(cell):
     summary["donor_load"][0][1] += 1      # a record the plan cannot explain
     summary["inner_steps"][0][0] += 16
     assert run_cost(summary, _deployment(compute={"step_s": 1.0}))["replay_matches"] is False
+
+
+def _leased(summary, lease_s=5.0):
+    summary["distributed"]["lease_s"] = lease_s
+    return summary
+
+
+def test_with_a_lease_a_kill_costs_the_restart_not_the_deadline():
+    # the hand round is 8.5 s; restart 5 s, lease 5 s: the others learn of the death (the new
+    # process announces itself) 5 s after it, inside their own 8.5 s: no wait in that round;
+    # back (restart + rejoin) 5 s after the kill, in step for the next: no wait either
+    kills = [{"replica": 1, "global_step": 1, "rejoin": True}]
+    cost = run_cost(_leased(_summary(steps=4, kills=kills)), _deployment())
+    assert cost["kill_wait_rounds"] == [1]
+    assert cost["breakdown_s"]["wait_s"] == pytest.approx(0.0)
+    # a slow restart (40 s, deadline 20 s, lease 12 s): round 1 waits for the lease, 12 - 8.5 =
+    # 3.5 s; round 2 starts 12 s after the kill and is waited for once, to the deadline (back
+    # 40 s after the kill); round 3 starts 12 + 8.5 + 20 = 40.5 s after it: in step
+    slow = run_cost(_leased(_summary(steps=5, kills=kills), lease_s=12.0),
+                    _deployment(recovery__restart_s=40.0))
+    assert slow["kill_wait_rounds"] == [1, 2]
+    assert slow["breakdown_s"]["wait_s"] == pytest.approx(3.5 + 20.0)
+    # a little slower (44 s): round 3 is not waited for again to the deadline, only for the
+    # 3.5 s it is back late by
+    slower = run_cost(_leased(_summary(steps=5, kills=kills), lease_s=12.0),
+                      _deployment(recovery__restart_s=44.0))
+    assert slower["kill_wait_rounds"] == [1, 2]
+    assert slower["breakdown_s"]["wait_s"] == pytest.approx(3.5 + 20.0 + 3.5)
+
+
+def test_with_a_lease_a_replica_that_never_returns_costs_one_round():
+    # lease 10 s, restart 20 s: the others wait 10 - 8.5 s in the round of the kill, and no
+    # later round (without the lease: the deadline in every round after it)
+    gone = [{"replica": 1, "global_step": 1, "rejoin": False}]
+    cost = run_cost(_leased(_summary(steps=4, kills=gone), lease_s=10.0),
+                    _deployment(recovery__restart_s=20.0))
+    assert cost["kill_wait_rounds"] == [1]
+    assert cost["breakdown_s"]["wait_s"] == pytest.approx(1.5)
+
+
+def test_unplanned_kills_in_the_recoveries_are_priced_too():
+    summary = _leased(_summary(steps=4, kills=[]))
+    summary["distributed"]["recoveries"] = [
+        {"replica": 1, "killed_at_step": 2, "planned": False, "rejoin_step": 3}]
+    cost = run_cost(summary, _deployment())
+    assert cost["kill_wait_rounds"] == [2]
+    planned = run_cost(_leased(_summary(steps=4, kills=[])), _deployment())
+    assert planned["kill_wait_rounds"] == []
+    # the dead replica computes nothing in round 2: the run is no slower than without it
+    assert cost["wall_s"] <= planned["wall_s"]

@@ -72,11 +72,32 @@ def test_a_silent_peer_is_not_waited_for_in_the_round_it_died_in(tmp_path: Path)
     watch.round_over(5)
     # ... and not again for the same dead life
     assert not watch.waits_for(1, 6) and not watch.waits_for(1, 9)
-    # its next life announces itself, catching up to step 7: waited for from 7 on
+    # its next life announces itself, catching up to step 7: it had its one wait (round 5), so
+    # it is not waited for until it trains, and then from step 7 on
     _beat(store, 1, life=1, seq=1, state="catching_up", start=7)
     clock.now += 0.1
     watch.refresh()
-    assert not watch.waits_for(1, 6) and watch.waits_for(1, 7)
+    assert not watch.waits_for(1, 6) and not watch.waits_for(1, 7)
+    _beat(store, 1, life=1, seq=2, state="training", start=7)
+    clock.now += 0.1
+    watch.refresh()
+    assert not watch.waits_for(1, 6) and watch.waits_for(1, 7) and watch.waits_for(1, 8)
+
+
+def test_a_life_catching_up_is_waited_for_once(tmp_path: Path) -> None:
+    # restarted before its peers noticed it was gone: catching up to step 4, so waited for in
+    # round 4 (it may make it), but not in a later round while it is still catching up
+    store, clock = LocalStore(tmp_path), Clock()
+    _beat(store, 1, life=1, state="catching_up", start=4)
+    watch = _watch(store, clock)
+    watch.refresh()
+    assert not watch.waits_for(1, 3) and watch.waits_for(1, 4)
+    watch.round_over(4)
+    assert not watch.waits_for(1, 5)
+    _beat(store, 1, life=1, seq=2, state="training", start=6)
+    clock.now += 0.1
+    watch.refresh()
+    assert not watch.waits_for(1, 5) and watch.waits_for(1, 6)
 
 
 def test_a_beat_that_keeps_changing_stays_fresh(tmp_path: Path) -> None:
