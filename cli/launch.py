@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from crucible.config import ConfigError, apply_overrides
-from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS
+from crucible.distributed.liveness import add_recovery_arguments
 
 __all__ = ["launch_main"]
 
@@ -49,12 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGKILL replica R at the start of global step STEP; it is restarted")
     p.add_argument("--kill-forever", action="append", default=[], metavar="R@STEP",
                    help="as --kill, but the replica is not restarted")
-    p.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
-                   help="per replica, restarts for unplanned deaths of its worker or agent "
-                        f"(default {DEFAULT_RESTARTS}; planned --kill restarts come on top)")
-    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
-                   help="heartbeat lease: peers stop waiting for a replica silent this long "
-                        f"(default {DEFAULT_LEASE_S:g}; 0 turns the lease off)")
+    add_recovery_arguments(p)
     return p
 
 

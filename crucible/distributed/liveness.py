@@ -39,14 +39,24 @@ from typing import Any
 from crucible.config import ConfigError
 from crucible.store import KeyNotFound, Store, StoreError
 
-__all__ = ["Heartbeat", "PeerWatch", "beat_key", "check_recovery", "read_beat", "write_gone",
-           "BEAT_MAX_BYTES", "DEFAULT_LEASE_S", "DEFAULT_RESTARTS"]
+__all__ = ["Heartbeat", "PeerWatch", "add_recovery_arguments", "beat_key", "check_recovery",
+           "read_beat", "write_gone", "BEAT_MAX_BYTES", "DEFAULT_LEASE_S", "DEFAULT_RESTARTS"]
 
 log = logging.getLogger(__name__)
 DEFAULT_RESTARTS = 3      # per replica, for unplanned deaths (`crucible launch --restarts`)
 DEFAULT_LEASE_S = 5.0     # `crucible launch --lease-s`
 BEAT_MAX_BYTES = 4096
 STATES = frozenset({"training", "catching_up", "gone", "done"})
+
+
+def add_recovery_arguments(parser: Any) -> None:
+    """`--restarts` and `--lease-s`, as `crucible launch` and the Kubernetes renderer take them."""
+    parser.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
+                        help="per replica, restarts for unplanned deaths of its worker or agent "
+                             f"(default {DEFAULT_RESTARTS}; planned --kill restarts come on top)")
+    parser.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                        help="heartbeat lease: peers stop waiting for a replica silent this long "
+                             f"(default {DEFAULT_LEASE_S:g}; 0 turns the lease off)")
 
 
 def check_recovery(*, restarts: int, lease_s: float) -> None:

@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 
 from crucible.config import Config, ConfigError, apply_overrides
-from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS
+from crucible.distributed.liveness import add_recovery_arguments
 
 __all__ = ["MERGE_SCRIPT", "RUN_DIR", "render", "main"]
 
@@ -115,12 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "(default: render one)")
     p.add_argument("--storage-class", help="storage class of the rendered ReadWriteMany claim")
     p.add_argument("--volume-size", default="20Gi", help="size of the rendered claim")
-    p.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
-                   help="per replica, restarts for unplanned deaths (planned --kill restarts "
-                        f"come on top; default {DEFAULT_RESTARTS})")
-    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
-                   help="heartbeat lease after which peers count a silent replica as dead "
-                        f"(default {DEFAULT_LEASE_S:g}; 0: none)")
+    add_recovery_arguments(p)
     p.add_argument("--merge-grace-s", type=float, default=1800.0,
                    help="once one replica is done, how long the merge waits for the others "
                         "before it merges the missing ones as lost")
