@@ -220,6 +220,9 @@ class StudyFiles(BaseModel):
                               description="Specs running some of its cells at a larger model.")
     reuse: list[Path] = Field(default_factory=list,
                               description="Specs whose identical runs count as its own cells.")
+    processes: list[Path] = Field(default_factory=list,
+                                  description="Specs running its strategies under other "
+                                              "failure processes (one labelled block each).")
 
 
 ClaimTag = Literal["a", "b", "c", "d", "e"]

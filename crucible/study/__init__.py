@@ -10,7 +10,9 @@ the `failure-sweep` flow takes the same grid) names a preset, the seeds and a li
 optional `key=value` overrides, a label and the block's own `seeds`; an arm's baselines cover
 every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-preset specs whose
 table the document shows, crucible.study.pilot), `token_check` (half-tokens and full pilot specs),
-`scale` (specs running some cells at a larger model, crucible.study.scale), `reuse` (specs whose runs
+`scale` (specs running some cells at a larger model, crucible.study.scale), `processes` (specs
+running its strategies under other failure processes, one labelled block each,
+crucible.study.processes), `reuse` (specs whose runs
 with exactly a cell's configuration count as that cell), `close_margin`, `resolve_threshold`
 (or `target_half_width`: the target half-width), `equivalence_margin` (claim (e)), `duration`,
 `global_steps` and `max_seeds` (seeds by precision: the rounds' seeds are read back too). It expands into cells with stable

@@ -226,6 +226,10 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         from crucible.study.scale import scale_section
 
         extras += scale_section(data, ARM_LABEL)
+    if spec.files.processes:
+        from crucible.study.processes import processes_section
+
+        extras += processes_section(data, ARM_LABEL)
     from crucible.study.costs import cost_section
 
     costs = cost_section(data, ARM_LABEL)

@@ -440,6 +440,49 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
 
 
+PROCESSES = """
+name = "procs"
+preset = "smoke"
+seeds = [0, 1, 2]
+
+[[grid]]
+arms = ["none"]
+strategies = ["skip", "drop"]
+p = [0, 0.1]
+
+[[grid]]
+arms = ["none"]
+strategies = ["skip", "drop"]
+p = [0.1]
+label = "burst"
+set = ["faults.process=correlated"]
+"""
+
+
+def test_the_process_verdict_pairs_each_strategy_with_its_own_process_skip(
+        tmp_path: Path) -> None:
+    from crucible.study.processes import process_rows, processes_section
+
+    procs = study.load_spec(write_spec(tmp_path, PROCESSES, name="procs.toml"))
+    # independent: drop 4 points above skip; burst: drop level with the burst's own skip, both
+    # 3 points above the independent skip (paired with that, it would read "higher")
+    fill(procs, {"none-skip-p0.1": [0.0, 0.1, 0.2], "none-drop-p0.1": [4.0, 4.2, 4.1],
+                 "none-skip-p0.1-burst": [3.0, 3.1, 3.2],
+                 "none-drop-p0.1-burst": [3.0, 3.3, 3.1]})
+    main = study.load_spec(write_spec(tmp_path, LOW_P_GRID.replace(
+        'seeds = [0, 1, 2]', 'seeds = [0, 1, 2]\nprocesses = ["procs.toml"]'), name="main.toml"))
+    data = study.StudyData(main, study.load_results(main))
+    rows = {(r["process"], r["key"].strategy): r for r in process_rows(data)}
+    assert set(rows) == {("independent", "drop"), ("burst", "drop")}
+    assert rows["independent", "drop"]["diff"].mean == pytest.approx(4.0, abs=1e-6)
+    assert rows["burst", "drop"]["diff"].mean == pytest.approx(0.0333333, abs=1e-4)
+    assert rows["independent", "drop"]["reads"] == "drop ends higher than skip"
+    assert rows["burst", "drop"]["reads"] == "not resolved"
+    text = "\n".join(processes_section(data, ARM_LABEL))
+    assert "- Drop against skip: drop ends higher than skip under independent; not resolved " \
+           "under burst." in text
+
+
 # ---------------------------------------------------------------------------------------------
 # reusing identical runs
 # ---------------------------------------------------------------------------------------------
