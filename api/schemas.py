@@ -403,7 +403,9 @@ class RunCostIn(BaseModel):
     """A run's cost record on one deployment, as `crucible cost` writes it (cost.json,
     crucible.cost.run_cost): the headline fields below are checked, the rest of the record
     (breakdown_s, money, stage_step_s, ...) is kept as sent."""
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # the extra fields' names, as every key in a stored document: no NUL (Postgres)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False,
+                              json_schema_extra={"propertyNames": _NO_NUL})
     __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # type: ignore[assignment]
     deployment: Text(200, 1)  # type: ignore[valid-type]
     model: Text(64, 1) = Field(description="the cost model's version "  # type: ignore[valid-type]
