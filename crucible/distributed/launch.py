@@ -47,7 +47,14 @@ from crucible.distributed.liveness import (
     check_recovery,
     read_beat,
 )
-from crucible.distributed.worker import check_distributed, died_in, read_records, repair_torn_line
+from crucible.distributed.worker import (
+    append_record,
+    check_distributed,
+    count_lives,
+    died_in,
+    read_records,
+    repair_torn_line,
+)
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key
@@ -170,11 +177,6 @@ def _start_agent(out: Path, replica: int, *, max_restarts: int,
     return agent
 
 
-def _lives_used(out: Path, replica: int) -> int:
-    return sum(1 for r in read_records(out / "replicas" / f"replica-{replica}" / "process.jsonl")
-               if r.get("kind") in ("start", "restart"))
-
-
 def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: list[int], *,
                gpus: int) -> list[int]:
     """Wait for every agent; an agent killed by a signal (not one that gave up on its worker)
@@ -185,12 +187,13 @@ def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: lis
             if r in codes or (code := agent.poll()) is None:
                 continue
             folder = out / "replicas" / f"replica-{r}"
-            left = lives[r] - _lives_used(out, r)
+            left = lives[r] - count_lives(read_records(folder / "process.jsonl"))
             if code < 0 and not (folder / "summary.json").exists() and left > 0:
                 _kill_orphan(out, r)
                 log.warning("the agent of replica %d died (signal %d); starting a new one "
                             "(%d lives left)", r, -code, left)
-                _append_record(folder / "process.jsonl", {
+                repair_torn_line(folder / "process.jsonl")
+                append_record(folder / "process.jsonl", {
                     "kind": "agent_lost", "replica": r, "signal": -code, "wall": time.time(),
                     "global_step": -1})
                 agents[r] = _start_agent(out, r, max_restarts=left - 1, gpus=gpus)
@@ -233,14 +236,6 @@ def _kill_orphan(out: Path, replica: int) -> None:
     deadline = time.monotonic() + 30
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _append_record(path: Path, record: dict[str, Any]) -> None:
-    repair_torn_line(path)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _stop(agents: list[subprocess.Popen[bytes]], *, grace_s: float = 60.0) -> None:
@@ -301,9 +296,10 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
     # every process reports a `manifest_rejected` it passed over: one event per id
     events = list({e["id"]: e for e in _with_missing_events(events, agreed)}.values())
     events += _process_events(process)
+    lost = _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes)
     events += [Event("process_lost", row["last_step"], replica=row["replica"],
                      detail={"reason": row["reason"], "lives": row["lives"]}).to_dict()
-               for row in _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes)]
+               for row in lost]
     events.sort(key=lambda e: (e["global_step"], e.get("replica") or 0, e["kind"]))
     through = _run_tokens(rounds, steps=lead["global_steps"])
     metrics = _with_run_tokens(metrics, through)
@@ -326,7 +322,7 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
         "round_timeout_s": config.sparseloco.round_timeout_s,
         "lease_s": ident.get("lease_s", 0.0), "lives": ident.get("lives") or [1] * R,
         "kills": kills, "recoveries": _recoveries(process),
-        "lost": _lost(R, parts, process, ident.get("lives") or [1] * R, exit_codes),
+        "lost": lost,
         "final_val_loss_spread": max(finals) - min(finals) if finals else None,
         "missing_rounds": {str(r): sorted({g for (g, _), m in agreed.items()
                                            if r in m["missing"]}) for r in range(R)},
@@ -509,7 +505,7 @@ def _lost(R: int, parts: dict[int, Any], process: list[dict[str, Any]], lives: l
         mine = [p for p in process if p["replica"] == r]
         forever = next((p for p in mine if p["kind"] == "kill" and p.get("rejoin") is False
                         and p.get("planned", True)), None)
-        used = sum(1 for p in mine if p["kind"] in ("start", "restart"))
+        used = count_lives(mine)
         if forever is not None:
             reason = f"killed for good at global step {forever['global_step']} (--kill-forever)"
         elif used >= lives[r]:

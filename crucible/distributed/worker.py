@@ -66,8 +66,9 @@ from crucible.summary import write_json_atomic
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
-__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "died_in", "main",
-           "read_records", "repair_torn_line", "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
+__all__ = ["ReplicaTrainer", "append_record", "check_distributed", "clip_as_batched",
+           "count_lives", "died_in", "main", "read_records", "repair_torn_line",
+           "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
@@ -227,7 +228,7 @@ class ReplicaTrainer(Trainer):
         self.contributed = self.contributed or made
         tokens = self._tokens_per_replica()
         crossings = int(step.crossings()[0]) * tokens
-        _append(Path(self.callback.out_dir) / "rounds.jsonl", {
+        append_record(Path(self.callback.out_dir) / "rounds.jsonl", {
             "global_step": g, "replica": self.replica,
             "tokens": tokens * int(step.loss_weight[0] > 0),
             "inner_steps": (step.active[0].long() * self.H).tolist(),
@@ -275,7 +276,7 @@ def _restart_count() -> int:
 
 def _record(callback: JsonlCallback, kind: str, g: int, replica: int, *,
             wall: float | None = None, **extra: Any) -> None:
-    _append(Path(callback.out_dir) / "process.jsonl", {
+    append_record(Path(callback.out_dir) / "process.jsonl", {
         "kind": kind, "global_step": g, "replica": replica,
         "wall": time.time() if wall is None else wall, "restart": _restart_count(),
         "life": _life_of(Path(callback.out_dir)), **extra})
@@ -306,10 +307,14 @@ def _life_of(out: Path) -> int:
     return _LIVES.get(Path(out), 0)
 
 
+def count_lives(records: list[dict[str, Any]]) -> int:
+    """The lives a replica's process records show: one `start` or `restart` record each."""
+    return sum(1 for r in records if r.get("kind") in ("start", "restart"))
+
+
 def _begin_life(out: Path) -> int:
-    """Count the earlier lives of this replica (`start` / `restart` records) and remember it."""
-    life = sum(1 for r in read_records(out / "process.jsonl")
-               if r.get("kind") in ("start", "restart"))
+    """Count the earlier lives of this replica and remember it as this process's life."""
+    life = count_lives(read_records(out / "process.jsonl"))
     _LIVES[Path(out)] = life
     return life
 
@@ -344,7 +349,7 @@ def repair_torn_line(path: Path) -> None:
         os.replace(tmp, path)
 
 
-def _append(path: Path, line: dict[str, Any]) -> None:
+def append_record(path: Path, line: dict[str, Any]) -> None:
     """One JSON line, durable before the call returns (a SIGKILL may follow)."""
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(line) + "\n")
@@ -409,7 +414,7 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     if life >= lives[replica]:            # a restart nobody budgeted (a pod started anew)
         log.warning("replica %d has had its %d lives; not starting another", replica,
                     lives[replica])
-        _append(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
+        append_record(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
                                         "replica": replica, "wall": time.time(), "life": life})
         callback.close()
         return None
