@@ -24,12 +24,14 @@ activation count follows `model.block_forward` (what each op saves for backward,
 op with autograd's saved-tensor hooks); attention saves O(T) per token because torch's CPU and
 CUDA kernels are flash-style, not the T x T matrix.
 
-On a CUDA device the model state and the training step live on the GPU (under bf16 autocast
-matmul outputs take 2 bytes and autocast caches a bf16 copy of the weights, R x P x 2 bytes) and
-are compared with the device's free memory; the host then holds the process (with CUDA's runtime,
-started before the estimate reads the RSS), the data, the largest of the outer sync (its codec
-runs on the CPU) and the model's construction ((R + 1) x P x 4 bytes, built on the host), and
-the checkpoint (one more copy, the state brought to the host).
+On a CUDA device the model state, the training step and the outer sync live on the GPU (under
+bf16 autocast matmul outputs take 2 bytes and autocast caches a bf16 copy of the weights,
+R x P x 2 bytes; the round's codec, aggregation and outer step run there too, and take turns
+with the training step) and are compared with the device's free memory; the host then holds the
+process (with CUDA's runtime, started before the estimate reads the RSS), the data, the model's
+construction ((R + 1) x P x 4 bytes, built on the host), and the checkpoint (one more copy, the
+state brought to the host). The round's host side is only its packed blobs (under 2 bytes per
+kept value, 1/64 of the values), which the estimate leaves out.
 
 `available()` is the smallest of MemAvailable and the cgroup's remaining limit (v2 or v1, page
 cache not counted). `check_fits` raises `ConfigError` with both numbers and the keys that would shrink it.
@@ -77,7 +79,8 @@ class MemoryBusy(RuntimeError):
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Peak memory of one run, in bytes, by part (see the module docstring). On a GPU run the
-    model state, the training step and evaluation live on the device, the rest on the host."""
+    model state, the training step, the outer sync and evaluation live on the device, the rest
+    on the host."""
 
     process: int
     data: int
@@ -93,7 +96,7 @@ class MemoryEstimate:
     def host_phases(self) -> dict[str, int]:
         """The transient phases that take turns on the host (the largest one counts)."""
         if self.on_gpu:
-            return {"outer sync": self.sync, "model init": self.init}
+            return {"model init": self.init}
         return {"outer sync": self.sync, "training step": self.step,
                 "evaluation": self.evaluation}
 
@@ -114,7 +117,8 @@ class MemoryEstimate:
     @property
     def device_bytes(self) -> int:
         """Peak bytes on the GPU (0 on a CPU run)."""
-        return self.model_state + max(self.step, self.evaluation) if self.on_gpu else 0
+        return (self.model_state + max(self.step, self.evaluation, self.sync) if self.on_gpu
+                else 0)
 
     def describe(self) -> str:
         state = "" if self.on_gpu else f" + model state {format_bytes(self.model_state)}"

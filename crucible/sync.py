@@ -12,12 +12,25 @@ What the gather is told (`crucible.gather`): the replicas the fault plan has tra
 header), the exact size of a valid blob of the stage (a larger object is refused unread) and
 `sparseloco.max_norm_ratio`. With `store.keep_rounds` = N > 0 the objects of rounds older than
 the last N are deleted after each round.
+
+Where it runs: the whole round stays on the device that holds the weights (pseudo-gradients,
+error feedback, top-k, quantisation, decoding, validation of the decoded values, clipping,
+aggregation and the outer step); only the packed blobs cross to the host, for the store. Every
+stage is encoded and handed to `transfer_threads` upload threads first, so a stage's uploads run
+beside the next stage's encoding; each stage's round then waits for its own uploads before it
+agrees, so what is aggregated is exactly what it was with the uploads inline. `codec_s` times
+the phases: `encode`, `upload` (the threads' own time), `upload_wait` (the part of it the round
+waited for: what overlap did not hide), `decode`, `aggregate` and `outer`.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,9 +55,34 @@ from crucible.sparseloco import (
 from crucible.sparseloco.codec import encode_contributions_batched
 from crucible.store import Store
 
-__all__ = ["StageSyncResult", "OuterSync"]
+__all__ = ["StageSyncResult", "OuterSync", "TRANSFER_THREADS", "PHASES"]
 
 log = logging.getLogger(__name__)
+
+# store uploads in flight at once beside the round's compute (0: inline, one after another)
+TRANSFER_THREADS = 4
+# the round's phases `OuterSync.codec_s` times (the run summary's `timing.<phase>_s`)
+PHASES = ("encode", "upload", "upload_wait", "decode", "aggregate", "outer")
+
+
+class _Deferred:
+    """A call that runs when its result is first asked for: an upload without a thread runs
+    when the round waits for it, so `upload_wait` is its whole time."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self._fn, self._args, self._ran, self._value = fn, args, False, None
+
+    def result(self) -> Any:
+        if not self._ran:
+            self._value, self._ran = self._fn(*self._args), True
+        return self._value
+
+
+class _Inline:
+    """The executor of `transfer_threads = 0`: every call deferred to its `result()`."""
+
+    def submit(self, fn: Callable[..., Any], *args: object) -> _Deferred:
+        return _Deferred(fn, args)
 
 
 @dataclass
@@ -62,8 +100,12 @@ class StageSyncResult:
 class OuterSync:
     """Holds the global weights, the error buffers and the outer optimisers of every stage."""
 
-    def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str) -> None:
+    def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str,
+                 transfer_threads: int = TRANSFER_THREADS) -> None:
+        if transfer_threads < 0:
+            raise ValueError(f"transfer_threads must be >= 0, got {transfer_threads}")
         self.config, self.model, self.store, self.run_key = config, model, store, run_key
+        self.transfer_threads = transfer_threads
         self.method = config.sparseloco.method
         self.run_tag = run_tag(run_key)
         S, R = config.pipeline.stages, config.replicas
@@ -77,7 +119,8 @@ class OuterSync:
         self.errors = [{n: torch.zeros((R, *t.shape), dtype=torch.float32, device=t.device)
                         for n, t in w.items()} for w in self.global_weights]
         momentum = config.sparseloco.outer_momentum if self.method == "diloco" else 0.0
-        self.codec_s = {"encode": 0.0, "decode": 0.0}
+        self.device = next(iter(self.global_weights[0].values())).device
+        self.codec_s = dict.fromkeys(PHASES, 0.0)
         self.outer = [OuterSGD(lr=config.sparseloco.resolved_outer_lr, momentum=momentum,
                                nesterov=momentum > 0) for _ in range(S)]
 
@@ -92,33 +135,75 @@ class OuterSync:
     def synchronise(self, global_step: int, contributes: torch.Tensor) -> list[StageSyncResult]:
         """Run the outer round for every stage; `contributes` (R, S) says which stage-replicas
         trained this round and so upload a contribution."""
-        results = []
-        for stage in range(self.config.pipeline.stages):
-            if self.method == "ddp":
-                results.append(self._ddp_refresh(stage, contributes[:, stage]))
-            else:
-                results.append(self._sync_stage(global_step, stage, contributes[:, stage]))
+        S = self.config.pipeline.stages
+        if self.method == "ddp":
+            return [self._ddp_refresh(stage, contributes[:, stage]) for stage in range(S)]
+        results = [StageSyncResult(stage=stage) for stage in range(S)]
+        with self._transfers() as pool:  # leaving it waits for every upload, even on an error
+            pending = [self._encode_and_upload(pool, global_step, stage, contributes[:, stage],
+                                               results[stage]) for stage in range(S)]
+            for stage in range(S):
+                with self._phase("upload_wait"):
+                    for future in pending[stage]:
+                        self.codec_s["upload"] += future.result()  # an upload's error: here
+                self._agree_and_apply(global_step, stage, contributes[:, stage], results[stage])
         keep = self.config.store.keep_rounds
-        if keep and self.method != "ddp":
+        if keep:
             prune_rounds(self.store, self.run_key, keep_from=global_step + 1 - keep)
         return results
 
-    def _sync_stage(self, global_step: int, stage: int, contributes: torch.Tensor) -> StageSyncResult:
-        result = StageSyncResult(stage=stage)
+    @contextmanager
+    def _transfers(self) -> Iterator[ThreadPoolExecutor | _Inline]:
+        if not self.transfer_threads:
+            yield _Inline()
+            return
+        with ThreadPoolExecutor(max_workers=self.transfer_threads,
+                                thread_name_prefix="crucible-upload") as pool:
+            yield pool
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Add the block's time to `codec_s[name]`; on a GPU, the work it queued is waited for,
+        so each phase is charged its own kernels."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.codec_s[name] += time.perf_counter() - started
+
+    def _upload(self, global_step: int, stage: int, replica: int, blob: bytes) -> float:
+        """Upload one blob (on a transfer thread); returns the seconds it took."""
+        started = time.perf_counter()
+        upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
+        return time.perf_counter() - started
+
+    def _encode_and_upload(self, pool: ThreadPoolExecutor | _Inline, global_step: int,
+                           stage: int, contributes: torch.Tensor,
+                           result: StageSyncResult) -> list[Future | _Deferred]:
+        """Encode the stage's contributions and hand each blob to `pool`; returns the uploads."""
+        made = [r for r in range(self.config.replicas) if bool(contributes[r])]
+        with self._phase("encode"):
+            blobs = self._encode(global_step, stage, made) if made else []
         dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
+        uploads = []
+        for replica, blob in zip(made, blobs, strict=True):
+            uploads.append(pool.submit(self._upload, global_step, stage, replica, blob))
+            result.made.append(replica)
+            result.upload_bytes += len(blob)
+            result.dense_bytes += dense_per
+        return uploads
+
+    def _agree_and_apply(self, global_step: int, stage: int, contributes: torch.Tensor,
+                         result: StageSyncResult) -> None:
+        """Fix the stage's agreed set, aggregate it and take the outer step; every replica of
+        the stage then holds the new global weights."""
         made = [r for r in range(self.config.replicas) if bool(contributes[r])]
         idle = {r: (f"the run's fault plan has replica {r} idle at stage {stage} in global step "
                     f"{global_step} (down, or dropped with its replica): it trained nothing, so "
                     "this object is not its contribution")
                 for r in range(self.config.replicas) if r not in made}
-        started = time.perf_counter()
-        blobs = self._encode(global_step, stage, made) if made else []
-        self.codec_s["encode"] += time.perf_counter() - started
-        for replica, blob in zip(made, blobs, strict=True):
-            upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
-            result.made.append(replica)
-            result.upload_bytes += len(blob)
-            result.dense_bytes += dense_per
         decode = self._decoder(global_step, stage)
         manifest = agree(self.store, self.run_key, global_step, stage, expected_replicas=made,
                          idle=idle, decode=decode, max_blob_bytes=self.max_blob_bytes[stage],
@@ -130,17 +215,21 @@ class OuterSync:
                                   if e.kind == "manifest_rejected"]
         contributions = load_agreed(self.store, manifest, decode)
         if contributions:
-            mode = self.config.sparseloco.aggregate
-            update = aggregate(contributions, self.shapes[stage], mode=mode,
-                               clip=self.method == "sparseloco",
-                               granularity=self.config.sparseloco.clip_granularity)
-            device = next(iter(self.global_weights[stage].values())).device
-            self.outer[stage].step(self.global_weights[stage],
-                                   {n: u.to(device) for n, u in update.items()})
-            self._retract(stage)
+            self._outer_step(stage, contributions)
             result.applied = True
         self.model.set_stage(stage, self.global_weights[stage])
-        return result
+
+    def _outer_step(self, stage: int, contributions: list) -> None:
+        """Aggregate the agreed contributions on the weights' device and apply the outer step."""
+        with self._phase("aggregate"):
+            update = aggregate(contributions, self.shapes[stage],
+                               mode=self.config.sparseloco.aggregate,
+                               clip=self.method == "sparseloco",
+                               granularity=self.config.sparseloco.clip_granularity,
+                               device=self.device)
+        with self._phase("outer"):
+            self.outer[stage].step(self.global_weights[stage], update)
+            self._retract(stage)
 
     def _encode(self, global_step: int, stage: int, replicas: list[int]) -> list[bytes]:
         """One blob per replica in `replicas` (ascending); SparseLoCo encodes them all in one
@@ -152,8 +241,9 @@ class OuterSync:
         def rows(t: torch.Tensor) -> torch.Tensor:  # the contributing replicas' rows of (R, ...)
             return t if everyone else t[idx.to(t.device)]
 
-        # pseudo-gradients (R', ...): theta_global - theta_r of every contributing replica
-        delta = {n: (g - rows(weights[n].detach())).float().cpu()
+        # pseudo-gradients (R', ...): theta_global - theta_r of every contributing replica, on
+        # the weights' device (only a dense blob's values go to the host, to be written out)
+        delta = {n: (g - rows(weights[n].detach())).float()
                  for n, g in self.global_weights[stage].items()}
         if self.method == "diloco":
             try:
@@ -164,7 +254,7 @@ class OuterSync:
                 raise TrainingDiverged(str(exc)) from exc
         sl = self.config.sparseloco
         errors = self.errors[stage]
-        error = {n: rows(buf).cpu() for n, buf in errors.items()}
+        error = {n: rows(buf) for n, buf in errors.items()}
         try:
             blobs, new_error = encode_contributions_batched(
                 delta, error, beta=sl.beta, stage=stage, replicas=replicas,
@@ -183,9 +273,10 @@ class OuterSync:
 
         def decode(blob: bytes):
             if self.method == "diloco":
-                return decode_dense(blob, shapes, stage=stage, global_step=global_step)
+                return decode_dense(blob, shapes, stage=stage, global_step=global_step,
+                                    device=self.device)
             return decode_contribution(blob, shapes, stage=stage, global_step=global_step,
-                                       chunk=sl.chunk, topk=sl.topk)
+                                       chunk=sl.chunk, topk=sl.topk, device=self.device)
 
         return self._timed_decode(decode)
 
@@ -197,18 +288,15 @@ class OuterSync:
 
         def decode_many(blobs):
             return decode_contributions(blobs, shapes, stage=stage, global_step=global_step,
-                                        chunk=sl.chunk, topk=sl.topk)
+                                        chunk=sl.chunk, topk=sl.topk, device=self.device)
 
         return self._timed_decode(decode_many)
 
     def _timed_decode(self, fn):
         """`fn` with its time added to the run's decode total."""
         def timed(arg):
-            started = time.perf_counter()
-            try:
+            with self._phase("decode"):
                 return fn(arg)
-            finally:
-                self.codec_s["decode"] += time.perf_counter() - started
 
         return timed
 
@@ -237,6 +325,7 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.global_weights = [{n: t.clone() for n, t in w.items()} for w in state["global_weights"]]  # type: ignore[union-attr]
         self.errors = [{n: t.clone() for n, t in e.items()} for e in state["errors"]]  # type: ignore[union-attr]
-        self.codec_s = dict(state.get("codec_s", self.codec_s))  # type: ignore[arg-type]
+        # a checkpoint from before the phases were split times only encode and decode
+        self.codec_s = {**dict.fromkeys(PHASES, 0.0), **state.get("codec_s", {})}  # type: ignore[dict-item]
         for opt, st in zip(self.outer, state["outer"], strict=True):  # type: ignore[arg-type]
             opt.load_state_dict(st)

@@ -34,7 +34,6 @@ from crucible.gather import (
 )
 from crucible.manifest import Manifest, manifest_events, manifest_limit
 from crucible.pipeline import ReplicatedPipeline
-from crucible.sparseloco import aggregate
 from crucible.sparseloco.codec import encode_contributions_batched
 from crucible.store import InvalidObject, KeyNotFound, ObjectTooLarge, Store
 from crucible.sync import OuterSync, StageSyncResult
@@ -71,20 +70,23 @@ class ReplicaSync(OuterSync):
         sum over the processes)."""
         S = self.config.pipeline.stages
         results = [StageSyncResult(stage=s) for s in range(S)]
-        started = time.perf_counter()
-        for stage in range(S):
-            if bool(contributes[self.replica, stage]):
-                blob = self._encode_own(global_step, stage)
-                # create only: a process killed after uploading and restarted into the same
-                # round must not replace a blob a peer may already have agreed on
-                if upload_contribution(self.store, self.run_key, global_step, stage,
-                                       self.replica, blob, if_absent=True) is None:
-                    log.warning("step %d stage %d: this replica's contribution exists (uploaded "
-                                "before a restart); it stands", global_step, stage)
-                results[stage].upload_bytes = len(blob)
-                results[stage].dense_bytes = 4 * sum(
-                    t.numel() for t in self.global_weights[stage].values())
-        self.codec_s["encode"] += time.perf_counter() - started
+        with self._transfers() as pool:  # a stage uploads while the next one encodes
+            uploads = {}
+            for stage in range(S):
+                if bool(contributes[self.replica, stage]):
+                    with self._phase("encode"):
+                        blob = self._encode_own(global_step, stage)
+                    uploads[stage] = pool.submit(self._upload_own, global_step, stage, blob)
+                    results[stage].upload_bytes = len(blob)
+                    results[stage].dense_bytes = 4 * sum(
+                        t.numel() for t in self.global_weights[stage].values())
+            with self._phase("upload_wait"):
+                for stage, future in uploads.items():
+                    seconds, written = future.result()
+                    self.codec_s["upload"] += seconds
+                    if not written:
+                        log.warning("step %d stage %d: this replica's contribution exists "
+                                    "(uploaded before a restart); it stands", global_step, stage)
         deadline = time.monotonic() + self.timeout_s
         waited = 0.0
         agreed = []
@@ -111,18 +113,27 @@ class ReplicaSync(OuterSync):
         self._maybe_snapshot(global_step, agreed[0].included)
         return results
 
+    def _upload_own(self, global_step: int, stage: int, blob: bytes) -> tuple[float, bool]:
+        """Upload this replica's blob (on a transfer thread), create only: a process killed
+        after uploading and restarted into the same round must not replace a blob a peer may
+        already have agreed on. Returns the seconds it took and whether it was written."""
+        started = time.perf_counter()
+        written = upload_contribution(self.store, self.run_key, global_step, stage,
+                                      self.replica, blob, if_absent=True) is not None
+        return time.perf_counter() - started, written
+
     def _encode_own(self, global_step: int, stage: int) -> bytes:
+        """This replica's blob for `stage`, encoded on the weights' device."""
         weights = self.model.stage_params(stage)
-        delta = {n: (g - weights[n].detach()).float().cpu()           # (1, ...)
+        delta = {n: (g - weights[n].detach()).float()                 # (1, ...)
                  for n, g in self.global_weights[stage].items()}
         errors = self.errors[stage]
         sl = self.config.sparseloco
         blobs, new_error = encode_contributions_batched(
-            delta, {n: buf.cpu() for n, buf in errors.items()}, beta=sl.beta, stage=stage,
-            replicas=[self.replica], global_step=global_step, chunk=sl.chunk, topk=sl.topk,
-            run_tag=self.run_tag)
-        for n, buf in errors.items():
-            errors[n] = new_error[n].to(buf.device)
+            delta, errors, beta=sl.beta, stage=stage, replicas=[self.replica],
+            global_step=global_step, chunk=sl.chunk, topk=sl.topk, run_tag=self.run_tag)
+        for n in errors:
+            errors[n] = new_error[n]
         return blobs[0]
 
     def _wait(self, global_step: int, stage: int, made: list[int], deadline: float) -> float:
@@ -160,13 +171,7 @@ class ReplicaSync(OuterSync):
         contributions = load_agreed(self.store, manifest,
                                     self._decoder(manifest.global_step, stage))
         if contributions:
-            update = aggregate(contributions, self.shapes[stage],
-                               mode=self.config.sparseloco.aggregate, clip=True,
-                               granularity=self.config.sparseloco.clip_granularity)
-            device = next(iter(self.global_weights[stage].values())).device
-            self.outer[stage].step(self.global_weights[stage],
-                                   {n: u.to(device) for n, u in update.items()})
-            self._retract(stage)
+            self._outer_step(stage, contributions)
         self.model.set_stage(stage, self.global_weights[stage])
 
     # -- snapshots and catching up ---------------------------------------------------------------

@@ -69,9 +69,13 @@ def tensor_norm_ratios(contributions: Mapping[int, Contribution],
 
 
 def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[int, ...]], *,
-              mode: str = "selected_mean", clip: bool = True,
-              granularity: str = "tensor") -> dict[str, torch.Tensor]:
-    """Dense fp32 aggregate per parameter of `shapes` (name -> shape).
+              mode: str = "selected_mean", clip: bool = True, granularity: str = "tensor",
+              device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Dense fp32 aggregate per parameter of `shapes` (name -> shape), computed on `device`
+    (default: where the first contribution's values are). The clipping norms come to the host
+    (one float per tensor and contributor, taken once); the sums stay on the device, and are
+    the same on every device: each contribution's indices are unique, so every coordinate gets
+    one addition per contribution, in the order given.
 
     Raises ValueError for an empty list (the stage must skip its outer step instead), an unknown
     `mode`, or a contribution whose parameters differ from `shapes`.
@@ -95,26 +99,39 @@ def aggregate(contributions: Sequence[Contribution], shapes: Mapping[str, tuple[
     else:
         whole = clip_scales(contributions)
         scales = {name: whole for name in shapes}
-    return {name: _aggregate_one(name, shape, contributions, scales[name], mode)
+    if device is None:
+        device = next(iter(contributions[0].params.values())).values.device
+    return {name: _aggregate_one(name, shape, contributions, scales[name], mode,
+                                 torch.device(device))
             for name, shape in shapes.items()}
 
 
+def _add_at(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """`total[indices] += values` for unique `indices`: one addition per coordinate, so the same
+    on every device (a GPU's index_add_ adds with atomics, which is only safe to rely on where
+    no two land on one coordinate; the gather-add-scatter makes that independent of it)."""
+    if total.device.type == "cpu":
+        total.index_add_(0, indices, values)
+    else:
+        total[indices] = total[indices] + values
+
+
 def _aggregate_one(name: str, shape: tuple[int, ...], contributions: Sequence[Contribution],
-                   scales: Sequence[float], mode: str) -> torch.Tensor:
+                   scales: Sequence[float], mode: str, device: torch.device) -> torch.Tensor:
     numel = 1
     for dim in shape:
         numel *= dim
-    total = torch.zeros(numel, dtype=torch.float32)
-    count = torch.zeros(numel, dtype=torch.float32)
+    total = torch.zeros(numel, dtype=torch.float32, device=device)
+    count = torch.zeros(numel, dtype=torch.float32, device=device)
     for contribution, scale in zip(contributions, scales, strict=True):
-        part = contribution.params[name]
+        part = contribution.params[name].to(device)
         values = part.values * scale if scale != 1.0 else part.values
         if part.indices is None:
             total += values
             count += 1
         else:
-            total.index_add_(0, part.indices, values)
-            count.index_add_(0, part.indices, torch.ones_like(values))
+            _add_at(total, part.indices, values)
+            _add_at(count, part.indices, torch.ones_like(values))
     if mode == "selected_mean":
         total = total / count.clamp(min=1)
     else:

@@ -51,11 +51,15 @@ class _Frame:
 
 def decode_contributions(blobs: Sequence[bytes], expected: Mapping[str, tuple[int, ...]], *,
                          stage: int, replicas: Sequence[int | None] | None = None,
-                         global_step: int | None = None, chunk: int = 64,
-                         topk: int = 64) -> list[Contribution | InvalidContribution]:
+                         global_step: int | None = None, chunk: int = 64, topk: int = 64,
+                         device: torch.device | str | None = None,
+                         ) -> list[Contribution | InvalidContribution]:
     """`decode_contribution` of every blob in `blobs`: element i is the Contribution of blob i,
     or the InvalidContribution that decoding blob i alone raises. `replicas[i]`, when given,
-    must match blob i's header (as `decode_contribution`'s `replica`)."""
+    must match blob i's header (as `decode_contribution`'s `replica`). The values are decoded,
+    checked and left on `device` (default: the CPU); only the blobs' frames are read on the
+    host, and each valid tensor's squared norm comes back with it."""
+    device = torch.device("cpu" if device is None else device)
     geometry((1,), chunk=chunk, topk=topk)  # a bad chunk/topk is the caller's error: ValueError
     if replicas is not None and len(replicas) != len(blobs):
         raise ValueError(f"{len(replicas)} replicas for {len(blobs)} blobs")
@@ -74,14 +78,15 @@ def decode_contributions(blobs: Sequence[bytes], expected: Mapping[str, tuple[in
             frames[i] = frame
     values: dict[int, dict[str, SparseValues]] = {i: {} for i in frames}
     for name, geo in geos.items():
-        _decode_parameter(name, geo, frames, values)   # drops blobs that fail a check
+        _decode_parameter(name, geo, frames, values, device)  # drops blobs failing a check
     out: list[Contribution | InvalidContribution] = []
     for i, blob in enumerate(blobs):
         frame = frames.get(i)
         if frame is None:  # not on the fast path: the single-blob decoder decides, and says why
             try:
                 out.append(decode_contribution(blob, expected, stage=stage, replica=want[i],
-                                               global_step=global_step, chunk=chunk, topk=topk))
+                                               global_step=global_step, chunk=chunk, topk=topk,
+                                               device=device))
             except InvalidContribution as exc:
                 out.append(exc)
             continue
@@ -122,9 +127,9 @@ def _read_frame(blob: bytes, geos: Mapping[str, Geometry], *, stage: int, replic
 
 
 def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
-                      values: dict[int, dict[str, SparseValues]]) -> None:
-    """Check and decode parameter `name` of every frame at once; a frame that fails a check is
-    removed from `frames` (and `values`), for the single-blob decoder to explain."""
+                      values: dict[int, dict[str, SparseValues]], device: torch.device) -> None:
+    """Check and decode parameter `name` of every frame at once, on `device`; a frame that fails
+    a check is removed from `frames` (and `values`), for the single-blob decoder to explain."""
     order = list(frames)
     if not order:
         return
@@ -133,48 +138,73 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
     table32 = quant[:, 2:].astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         levels = table32 + shift32[:, None]
-    ok = (np.isfinite(quant[:, [0, 2, 3, 4, 5]]).all(axis=1)
-          & (quant[:, 1] >= _SCALE_RANGE[0]) & (quant[:, 1] <= _SCALE_RANGE[1])
-          & np.isfinite(levels).all(axis=1))
-    n = geo.n_values
-    local = _unpack_all(_wire.unpack_indices12, [frames[i].indices[name] for i in order], n,
-                        per_group=2)
-    local = local.reshape(len(order), geo.n_chunks, geo.k)
-    if local.size:
-        ok &= local.max(axis=(1, 2)) < geo.chunk_len
+    ok_host = (np.isfinite(quant[:, [0, 2, 3, 4, 5]]).all(axis=1)
+               & (quant[:, 1] >= _SCALE_RANGE[0]) & (quant[:, 1] <= _SCALE_RANGE[1])
+               & np.isfinite(levels).all(axis=1))
+    n, B = geo.n_values, len(order)
+    # the raw parts of all blobs, side by side (each row padded to whole byte groups, as sent):
+    # one copy to the device, unpacked and checked there
+    raw = torch.frombuffer(bytearray(b"".join(
+        part for i in order for part in (frames[i].indices[name], frames[i].codes[name]))),
+        dtype=torch.uint8).to(device).reshape(B, -1)
+    n_ix = _wire.indices12_bytes(n)
+    local = _unpack_rows12(raw[:, :n_ix], n).reshape(B, geo.n_chunks, geo.k)
+    codes = _unpack_rows2(raw[:, n_ix:], n)
+    ok = torch.from_numpy(ok_host).to(device)
+    if local.numel():
+        ok &= local.amax(dim=(1, 2)) < geo.chunk_len
         if geo.k > 1:
-            ok &= (np.diff(local, axis=2) > 0).all(axis=(1, 2))
-    codes = _unpack_all(_wire.unpack_codes2, [frames[i].codes[name] for i in order], n,
-                        per_group=4)
-    keep = np.flatnonzero(ok)
-    for j in np.flatnonzero(~ok):
-        frames.pop(order[j])
-        values.pop(order[j])
-    if not keep.size:
+            ok &= (local.diff(dim=2) > 0).all(dim=2).all(dim=1)
+    ok_list = ok.tolist()
+    keep = [j for j, good in enumerate(ok_list) if good]
+    for j, good in enumerate(ok_list):
+        if not good:
+            frames.pop(order[j])
+            values.pop(order[j])
+    if not keep:
         return
-    codes_t = torch.from_numpy(codes[keep])
+    rows = torch.tensor(keep, dtype=torch.int64, device=device) if len(keep) < B else None
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
+
     # table[code] + shift in fp32: the decoder's `_dequantise`, row by row
-    decoded = (torch.from_numpy(table32[keep]).gather(1, codes_t)
-               + torch.from_numpy(shift32[keep])[:, None])
-    flat = _flat_indices(torch.from_numpy(local[keep]), geo)
-    for row, j in enumerate(keep):
-        values[order[j]][name] = SparseValues(indices=flat[row], values=decoded[row])
+    table_t = torch.from_numpy(table32[keep]).to(device)
+    shift_t = torch.from_numpy(shift32[keep]).to(device)
+    decoded = table_t.gather(1, kept(codes)) + shift_t[:, None]
+    flat = _flat_indices(kept(local), geo)
+    for row, (j, norm_sq) in enumerate(zip(keep, _row_norms_sq(decoded), strict=True)):
+        values[order[j]][name] = SparseValues(indices=flat[row], values=decoded[row],
+                                              norm_sq_known=norm_sq)
 
 
-def _unpack_all(unpack, raws: list[memoryview], count: int, *, per_group: int) -> np.ndarray:
-    """`unpack(raw, count)` of every raw part, stacked (len(raws), count). When `count` fills
-    whole byte groups (`per_group` values each: 2 indices in 3 bytes, 4 codes in 1), the parts
-    carry no padding and are unpacked as one buffer."""
-    if count % per_group == 0:
-        return unpack(memoryview(b"".join(raws)), count * len(raws)).reshape(len(raws), count)
-    return np.stack([unpack(raw, count) for raw in raws])
+def _unpack_rows12(raw: torch.Tensor, count: int) -> torch.Tensor:
+    """`_wire.unpack_indices12` of every row of `raw` (B, bytes) uint8: (B, count) int64."""
+    t = raw.reshape(raw.shape[0], -1, 3).to(torch.int64)
+    first = t[..., 0] | ((t[..., 1] & 0xF) << 8)
+    second = (t[..., 1] >> 4) | (t[..., 2] << 4)
+    return torch.stack([first, second], dim=2).reshape(raw.shape[0], -1)[:, :count]
+
+
+def _unpack_rows2(raw: torch.Tensor, count: int) -> torch.Tensor:
+    """`_wire.unpack_codes2` of every row of `raw` (B, bytes) uint8: (B, count) int64."""
+    b = raw.to(torch.int64)
+    out = torch.stack([(b >> (2 * j)) & 3 for j in range(4)], dim=2)  # 4 bit positions
+    return out.reshape(raw.shape[0], -1)[:, :count]
+
+
+def _row_norms_sq(decoded: torch.Tensor) -> list[float]:
+    """`SparseValues.norm_sq` of every row of `decoded` (B, n), with one copy to the host: on
+    the CPU row by row (the very sum `norm_sq` takes), elsewhere as one reduction."""
+    if decoded.device.type == "cpu":
+        return [float(torch.sum(row.double() ** 2)) for row in decoded]
+    return (decoded.double() ** 2).sum(dim=1).tolist()
 
 
 def _flat_indices(local: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """`_chunking.flat_indices` of every row of `local` (B, n_chunks, k): (B, n_chunks * k)."""
     grid_c = geo.cols // geo.block_cols
-    chunk_id = torch.arange(geo.n_chunks, dtype=torch.int64)[None, :, None]
+    chunk_id = torch.arange(geo.n_chunks, dtype=torch.int64, device=local.device)[None, :, None]
     row = (chunk_id // grid_c) * geo.block_rows + local // geo.block_cols
     col = (chunk_id % grid_c) * geo.block_cols + local % geo.block_cols
     return (row * geo.cols + col).reshape(local.shape[0], -1)
-

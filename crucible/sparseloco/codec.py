@@ -53,15 +53,24 @@ class SparseValues:
 
     indices: torch.Tensor | None  # (n,) int64, unique
     values: torch.Tensor          # (n,) fp32, dequantised
+    # `norm_sq()` when the decoder has already taken it (a batch of them in one host copy)
+    norm_sq_known: float | None = field(default=None, repr=False, compare=False)
 
     def norm_sq(self) -> float:
         """Squared L2 norm (fp64 sum), computed once: the gather's norm rule and the
         aggregation's clipping both ask for it."""
-        cached = self.__dict__.get("_norm_sq")
+        cached = self.norm_sq_known
         if cached is None:
             cached = float(torch.sum(self.values.double() ** 2))
-            object.__setattr__(self, "_norm_sq", cached)  # frozen, but the values never change
+            object.__setattr__(self, "norm_sq_known", cached)  # frozen; the values never change
         return cached
+
+    def to(self, device: torch.device | str | None) -> SparseValues:
+        """These values on `device` (self when they are there, or `device` is None)."""
+        if device is None or self.values.device == torch.device(device):
+            return self
+        return SparseValues(indices=None if self.indices is None else self.indices.to(device),
+                            values=self.values.to(device), norm_sq_known=self.norm_sq_known)
 
 
 @dataclass(frozen=True)
@@ -91,14 +100,14 @@ def _select_topk(chunks: torch.Tensor, k: int) -> torch.Tensor:
     the k-th magnitude go to the lower index, so the choice never depends on topk's internals."""
     n_chunks, chunk_len = chunks.shape
     if k == chunk_len:
-        return torch.arange(chunk_len).expand(n_chunks, chunk_len).clone()
+        return torch.arange(chunk_len, device=chunks.device).expand(n_chunks, chunk_len).clone()
     mag = chunks.abs()
     # torch.topk takes its fast heap path when k <= row length / 64: the default 64 of 4096 is
     # exactly that (k + 1 is not, and costs 1.6x). A chunk a little short of 64 k values (the
     # rescaled blocks, e.g. 44 of 2752) is padded with -1s, which are never kept. Whether the
     # k-th magnitude is tied with a value left out is then one count: more than k values reach it.
     pad = _HEAP_RATIO * k - chunk_len
-    if 0 < pad <= chunk_len // 2:
+    if chunks.device.type == "cpu" and 0 < pad <= chunk_len // 2:  # CPU topk's heap path only
         top = torch.topk(F.pad(mag, (0, pad), value=-1.0), k, dim=1, sorted=False)
     else:
         top = torch.topk(mag, k, dim=1, sorted=False)
@@ -207,15 +216,17 @@ def encode_contributions_batched(
     # e = beta * error + delta, written straight into one (T, R', ...) block per shape
     stacked: dict[tuple[int, ...], torch.Tensor] = {}
     e_all: dict[str, torch.Tensor] = {}
+    device = next(iter(delta.values())).device if delta else torch.device("cpu")
     for shape, names in by_shape.items():
-        block = torch.empty((len(names), n_rep, *shape), dtype=torch.float32)
+        block = torch.empty((len(names), n_rep, *shape), dtype=torch.float32, device=device)
         for t, name in enumerate(names):
             d, prev = delta[name].detach(), error.get(name)
             if prev is None:
                 block[t].copy_(d)
             else:  # the same two roundings as `beta * prev + d`
-                torch.mul(prev.detach().to(torch.float32), beta, out=block[t])
-                block[t].add_(d.to(torch.float32))
+                torch.mul(prev.detach().to(device=device, dtype=torch.float32), beta,
+                          out=block[t])
+                block[t].add_(d.to(device=device, dtype=torch.float32))
             e_all[name] = block[t]
         stacked[shape] = block
     _check_finite({n: e_all[n] for n in delta}, stage=stage, replicas=replicas)
@@ -275,11 +286,12 @@ def _encode_rows(x: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, list[byt
     chunks.scatter_(2, local, (kept - decoded).reshape(local.shape))
     residual = (chunks.reshape(G, grid_r, grid_c, geo.block_rows, geo.block_cols)
                 .permute(0, 1, 3, 2, 4).reshape(G, geo.rows, geo.cols))
-    indices = _pack_rows12(local.reshape(G, geo.n_values).numpy())
-    packed_codes = _pack_rows2(codes.numpy())
-    tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + ix + cd
-             for sh, sc, tb, ix, cd in zip(shift.tolist(), scale.tolist(), table.tolist(),
-                                           indices, packed_codes, strict=True)]
+    # the packed indices and codes of every row, side by side: one copy to the host
+    packed = torch.cat([_pack_rows12(local.reshape(G, geo.n_values)), _pack_rows2(codes)],
+                       dim=1).cpu().numpy()
+    scalars = torch.cat([shift.double()[:, None], scale[:, None], table.double()], dim=1)
+    tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + row.tobytes()
+             for (sh, sc, *tb), row in zip(scalars.tolist(), packed, strict=True)]
     return residual, tails
 
 
@@ -288,7 +300,11 @@ def _quantise_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     """`_quantise` of every row of `values` (G, n): codes (G, n), table (G, 4) fp32, shift (G,)
     fp32, scale (G,) fp64, bit for bit what `_quantise` gives row by row."""
     G, n = values.shape
-    if n > _SERIAL_REDUCE:
+    on_cpu = values.device.type == "cpu"
+    if not on_cpu:  # a GPU's reductions: another order, fp32 round-off from the CPU's
+        shift = values.mean(dim=1)
+        std = values.std(dim=1, correction=0)
+    elif n > _SERIAL_REDUCE:
         shift = torch.stack([row.mean() for row in values])
         std = torch.stack([row.std(correction=0) for row in values])
     else:
@@ -300,36 +316,39 @@ def _quantise_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     centred = values - shift[:, None]
     codes = torch.clamp(torch.round(centred / scale.to(torch.float32)[:, None] + 2), 0, 3)
     codes = codes.to(torch.int64)
-    bins = (codes + 4 * torch.arange(G)[:, None]).reshape(-1)          # bin 4*row + code
-    sums = torch.bincount(bins, weights=centred.double().reshape(-1), minlength=4 * G)
-    counts = torch.bincount(bins, minlength=4 * G).reshape(G, 4)
-    centres = (torch.arange(4, dtype=torch.float64) - 2)[None, :] * scale[:, None]
-    table = torch.where(counts > 0, sums.reshape(G, 4) / counts.clamp(min=1), centres)
+    if on_cpu:
+        bins = (codes + 4 * torch.arange(G)[:, None]).reshape(-1)      # bin 4*row + code
+        sums = torch.bincount(bins, weights=centred.double().reshape(-1), minlength=4 * G)
+        sums = sums.reshape(G, 4)
+        counts = torch.bincount(bins, minlength=4 * G).reshape(G, 4)
+    else:  # a GPU's bincount adds with atomics, in no fixed order: per-bin sums are repeatable
+        wide = centred.double()
+        sums = torch.stack([torch.where(codes == c, wide, 0.0).sum(dim=1) for c in range(4)], 1)
+        counts = torch.stack([(codes == c).sum(dim=1) for c in range(4)], 1)
+    centres = ((torch.arange(4, dtype=torch.float64, device=values.device) - 2)[None, :]
+               * scale[:, None])
+    table = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
     return codes, table.to(torch.float32), shift, scale
 
 
-def _pack_rows12(idx: np.ndarray) -> list[bytes]:
-    """`_wire.pack_indices12` of every row of `idx` (G, n)."""
-    v = idx.astype(np.uint16)
+def _pack_rows12(idx: torch.Tensor) -> torch.Tensor:
+    """`_wire.pack_indices12` of every row of `idx` (G, n), on its device: uint8 (G, bytes)."""
+    v = idx.to(torch.int32)
     if v.shape[1] % 2:
-        v = np.concatenate([v, np.zeros((v.shape[0], 1), dtype=np.uint16)], axis=1)
+        v = F.pad(v, (0, 1))
     a, b = v[:, 0::2], v[:, 1::2]
-    out = np.empty((*a.shape, 3), dtype=np.uint8)
-    out[..., 0] = a & 0xFF
-    out[..., 1] = (a >> 8) | ((b & 0xF) << 4)
-    out[..., 2] = b >> 4
-    return [row.tobytes() for row in out]
+    out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=2)
+    return out.to(torch.uint8).reshape(v.shape[0], -1)
 
 
-def _pack_rows2(codes: np.ndarray) -> list[bytes]:
-    """`_wire.pack_codes2` of every row of `codes` (G, n)."""
-    c = codes.astype(np.uint8)
+def _pack_rows2(codes: torch.Tensor) -> torch.Tensor:
+    """`_wire.pack_codes2` of every row of `codes` (G, n), on its device: uint8 (G, bytes)."""
+    c = codes.to(torch.int32)
     pad = (-c.shape[1]) % 4
     if pad:
-        c = np.concatenate([c, np.zeros((c.shape[0], pad), dtype=np.uint8)], axis=1)
+        c = F.pad(c, (0, pad))
     c = c.reshape(c.shape[0], -1, 4)
-    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
-    return [row.tobytes() for row in packed.astype(np.uint8)]
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).to(torch.uint8)
 
 
 def _check_header(kind: int, want_kind: int, stage: int, replica: int, global_step: int, *,
@@ -349,9 +368,11 @@ def _check_header(kind: int, want_kind: int, stage: int, replica: int, global_st
 
 
 def read_records(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, kind: int, stage: int,
-                 replica: int | None, global_step: int | None, read_one) -> Contribution:
+                 replica: int | None, global_step: int | None, read_one,
+                 device: torch.device | str | None = None) -> Contribution:
     """Shared frame of the sparse and dense decoders: header, one `read_one(reader, name, shape)`
-    per record, the expected-parameter bookkeeping and the trailing-bytes check."""
+    per record, the expected-parameter bookkeeping and the trailing-bytes check; the decoded
+    values end on `device` (None: where `read_one` left them, the CPU)."""
     reader = _wire.Reader(blob)
     version, got_kind, got_stage, got_replica, got_step, got_run, n_params = reader.header()
     _check_header(got_kind, kind, got_stage, got_replica, got_step, expect_stage=stage,
@@ -377,7 +398,7 @@ def read_records(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, kind: 
         raise InvalidContribution(f"missing parameter(s): {', '.join(missing)}")
     return Contribution(stage=got_stage, replica=got_replica, global_step=got_step,
                         version=version, kind="sparse" if kind == _wire.KIND_SPARSE else "dense",
-                        params={n: found[n] for n in expected}, nbytes=len(blob),
+                        params={n: found[n].to(device) for n in expected}, nbytes=len(blob),
                         run_tag=got_run)
 
 
@@ -417,9 +438,11 @@ def _read_sparse(reader: _wire.Reader, name: str, shape: tuple[int, ...], *, chu
 
 def decode_contribution(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, stage: int,
                         replica: int | None = None, global_step: int | None = None,
-                        chunk: int = 64, topk: int = 64) -> Contribution:
+                        chunk: int = 64, topk: int = 64,
+                        device: torch.device | str | None = None) -> Contribution:
     """Validate and decode a sparse contribution for `stage` whose parameters must be exactly
     `expected` (name -> shape). `replica` / `global_step`, when given, must match the header.
+    The blob is checked and decoded on the host; the values are then moved to `device`.
 
     Raises `InvalidContribution(reason)` for anything wrong (ALGORITHMS.md section 4: version,
     parameters, chunking and k, index bounds and uniqueness, finite table and shift, scale range,
@@ -433,7 +456,8 @@ def decode_contribution(blob: bytes, expected: Mapping[str, tuple[int, ...]], *,
         return _read_sparse(reader, name, shape, chunk=chunk, topk=topk)
 
     return read_records(bytes(blob), expected, kind=_wire.KIND_SPARSE, stage=stage,
-                        replica=replica, global_step=global_step, read_one=read_one)
+                        replica=replica, global_step=global_step, read_one=read_one,
+                        device=device)
 
 
 def contribution_bytes(expected: Mapping[str, tuple[int, ...]], *, chunk: int = 64,

@@ -25,7 +25,7 @@ def encode_dense(delta: Mapping[str, torch.Tensor], *, stage: int, replica: int,
     writer.header(kind=_wire.KIND_DENSE, stage=stage, replica=replica, global_step=global_step,
                   run_tag=run_tag, n_params=len(delta))
     for name, d in delta.items():
-        d = d.detach().to(torch.float32).contiguous()
+        d = d.detach().to(device="cpu", dtype=torch.float32).contiguous()  # the bytes: on the host
         if not bool(torch.isfinite(d).all()):
             raise ValueError(f"parameter {name!r} of stage {stage}, replica {replica} has a "
                              "non-finite pseudo-gradient; refusing to encode it")
@@ -52,7 +52,9 @@ def _read_dense(reader: _wire.Reader, name: str, shape: tuple[int, ...]) -> Spar
 
 
 def decode_dense(blob: bytes, expected: Mapping[str, tuple[int, ...]], *, stage: int,
-                 replica: int | None = None, global_step: int | None = None) -> Contribution:
+                 replica: int | None = None, global_step: int | None = None,
+                 device: torch.device | str | None = None) -> Contribution:
     """Validate and decode a dense contribution (contract as `decode_contribution`)."""
     return read_records(bytes(blob), expected, kind=_wire.KIND_DENSE, stage=stage,
-                        replica=replica, global_step=global_step, read_one=_read_dense)
+                        replica=replica, global_step=global_step, read_one=_read_dense,
+                        device=device)

@@ -53,10 +53,14 @@ class OuterSGD:
                 buf = grad.clone() if prev is None else self.momentum * prev + grad
                 buffers[name] = buf
                 update = grad + self.momentum * buf if self.nesterov else buf
-            if not bool(torch.isfinite(update).all()):
+            updates[name] = update
+        # one copy to the host for all of the stage's checks (on a GPU, one wait, not one each)
+        finite = (torch.stack([torch.isfinite(u).all() for u in updates.values()]).tolist()
+                  if updates else [])
+        for name, ok in zip(updates, finite, strict=True):
+            if not ok:
                 raise NonFiniteUpdate(f"outer update of {name!r} is not finite; "
                                       "refusing to apply the outer step")
-            updates[name] = update
         with torch.no_grad():
             for name, update in updates.items():
                 theta_global[name].sub_(self.lr * update.to(theta_global[name].dtype))

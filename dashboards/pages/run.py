@@ -60,6 +60,12 @@ _BYTES = (("boundary_forward", "boundary, forward"), ("boundary_backward", "boun
           ("upload_per_global_step", "upload per global step"))
 _TIMING = (("inner_s", "inner steps (forward/backward)"), ("sync_s", "outer sync"),
            ("eval_s", "evaluation"))
+# the outer sync's phases (crucible.sync.PHASES), shown under it where the run recorded them;
+# `upload_s` is the upload threads' own time, beside the round, so it is no part of the sync's
+_SYNC_PHASES = (("encode_s", "outer sync: encode"), ("upload_wait_s", "outer sync: waiting for uploads"),
+                ("decode_s", "outer sync: decode"), ("aggregate_s", "outer sync: aggregate"),
+                ("outer_s", "outer sync: outer step"),
+                ("upload_s", "uploads (on threads, beside the sync)"))
 
 
 def _config_table(config: Mapping[str, Any]) -> str:
@@ -180,8 +186,9 @@ def _bytes_table(run: Mapping[str, Any]) -> str:
 
 
 def _timing_table(run: Mapping[str, Any]) -> str:
-    """Where the wall time went: the trainer's timers, the rest (setup, checkpoints, reporting)
-    as "other", each with its share of the wall time."""
+    """Where the wall time went: the trainer's timers (the outer sync's phases under it, where
+    recorded), the rest (setup, checkpoints, reporting) as "other", each with its share of the
+    wall time."""
     summary = run.get("summary") or {}
     timing, wall = summary.get("timing") or {}, summary.get("wall_s")
     parts = [(key, label, timing.get(key)) for key, label in _TIMING]
@@ -189,6 +196,9 @@ def _timing_table(run: Mapping[str, Any]) -> str:
     if isinstance(wall, (int, float)) and timed:
         parts.append(("other_s", "other (setup, checkpoints, reporting)",
                       max(0.0, wall - sum(timed))))
+    at = next(i for i, (key, _l, _v) in enumerate(parts) if key == "sync_s") + 1
+    parts[at:at] = [(key, label, timing[key]) for key, label in _SYNC_PHASES
+                    if isinstance(timing.get(key), (int, float))]
     parts.append(("wall_s", "wall time", wall))
     rows, export = [], []
     for key, label, value in parts:

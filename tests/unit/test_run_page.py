@@ -54,6 +54,26 @@ def test_bytes_and_timing_tables_read_the_summary() -> None:
     assert _row(html, "timing", "wall time") == ["44.0 s", "100.0%"]
 
 
+def test_the_outer_syncs_phases_sit_under_it_and_leave_other_as_it_was() -> None:
+    view = _view()
+    summary = dict(view["run"]["summary"])
+    summary["timing"] = {**summary["timing"], "encode_s": 2.2, "upload_s": 1.1,
+                         "upload_wait_s": 0.0, "decode_s": 1.0, "aggregate_s": 0.5,
+                         "outer_s": 0.25}
+    view["run"]["summary"] = summary
+    html = pages.run_page(view, plotly_tag=_TAG)
+    assert _row(html, "timing", "outer sync: encode") == ["2.2 s", "5.0%"]
+    assert _row(html, "timing", "outer sync: waiting for uploads") == ["0.0 s", "0.0%"]
+    assert _row(html, "timing", "uploads (on threads") == ["1.1 s", "2.5%"]
+    assert _row(html, "timing", "other") == ["3.2 s", "7.3%"]  # the phases are in sync_s
+    export = json.loads(re.findall(
+        r'<span class="export"[^>]*><script type="application/json">(.*?)</script>', html)[
+        re.findall(r'data-export="([^"]+)"', html).index(f"run-{view['run']['id']}-timing")])
+    assert [r["part"] for r in export["rows"]] == [
+        "inner_s", "sync_s", "encode_s", "upload_wait_s", "decode_s", "aggregate_s", "outer_s",
+        "upload_s", "eval_s", "other_s", "wall_s"]
+
+
 def test_a_running_run_without_summary_shows_dashes_not_errors() -> None:
     html = pages.run_page(_view(status="running", summary={}, final_val_loss=None),
                           plotly_tag=_TAG)
