@@ -152,9 +152,9 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
     codes = _unpack_rows2(raw[:, n_ix:], n)
     ok = torch.from_numpy(ok_host).to(device)
     if local.numel():
-        ok &= local.amax(dim=(1, 2)) < geo.chunk_len
+        ok &= local.reshape(B, -1).amax(dim=1) < geo.chunk_len
         if geo.k > 1:
-            ok &= (local.diff(dim=2) > 0).all(dim=2).all(dim=1)
+            ok &= local.diff(dim=2).reshape(B, -1).amin(dim=1) > 0
     ok_list = ok.tolist()
     keep = [j for j, good in enumerate(ok_list) if good]
     for j, good in enumerate(ok_list):
@@ -180,17 +180,21 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
 
 def _unpack_rows12(raw: torch.Tensor, count: int) -> torch.Tensor:
     """`_wire.unpack_indices12` of every row of `raw` (B, bytes) uint8: (B, count) int64."""
-    t = raw.reshape(raw.shape[0], -1, 3).to(torch.int64)
-    first = t[..., 0] | ((t[..., 1] & 0xF) << 8)
-    second = (t[..., 1] >> 4) | (t[..., 2] << 4)
-    return torch.stack([first, second], dim=2).reshape(raw.shape[0], -1)[:, :count]
+    t = raw.reshape(raw.shape[0], -1, 3).to(torch.int32)
+    pairs = torch.empty((*t.shape[:2], 2), dtype=torch.int64, device=raw.device)
+    pairs[..., 0] = t[..., 0] | ((t[..., 1] & 0xF) << 8)
+    pairs[..., 1] = (t[..., 1] >> 4) | (t[..., 2] << 4)
+    return pairs.reshape(raw.shape[0], -1)[:, :count]
+
+
+_CODE_SHIFTS = (0, 2, 4, 6)   # 4 codes a byte, the first in the lowest bits
 
 
 def _unpack_rows2(raw: torch.Tensor, count: int) -> torch.Tensor:
     """`_wire.unpack_codes2` of every row of `raw` (B, bytes) uint8: (B, count) int64."""
-    b = raw.to(torch.int64)
-    out = torch.stack([(b >> (2 * j)) & 3 for j in range(4)], dim=2)  # 4 bit positions
-    return out.reshape(raw.shape[0], -1)[:, :count]
+    shifts = torch.tensor(_CODE_SHIFTS, dtype=torch.uint8, device=raw.device)
+    codes = (raw[..., None] >> shifts) & 3                        # (B, bytes, 4), uint8
+    return codes.reshape(raw.shape[0], -1)[:, :count].to(torch.int64)
 
 
 def _row_norms_sq(decoded: torch.Tensor) -> list[float]:
@@ -202,9 +206,17 @@ def _row_norms_sq(decoded: torch.Tensor) -> list[float]:
 
 
 def _flat_indices(local: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """`_chunking.flat_indices` of every row of `local` (B, n_chunks, k): (B, n_chunks * k)."""
-    grid_c = geo.cols // geo.block_cols
-    chunk_id = torch.arange(geo.n_chunks, dtype=torch.int64, device=local.device)[None, :, None]
-    row = (chunk_id // grid_c) * geo.block_rows + local // geo.block_cols
-    col = (chunk_id % grid_c) * geo.block_cols + local % geo.block_cols
-    return (row * geo.cols + col).reshape(local.shape[0], -1)
+    """`_chunking.flat_indices` of every row of `local` (B, n_chunks, k): (B, n_chunks * k).
+    Each chunk's first flat index, plus the local index's row and column inside the block (a
+    shift and a mask where the block's width is a power of two, as 64 is)."""
+    grid_c, bc = geo.cols // geo.block_cols, geo.block_cols
+    chunk = torch.arange(geo.n_chunks, dtype=torch.int64, device=local.device)
+    base = ((chunk // grid_c) * (geo.block_rows * geo.cols) + (chunk % grid_c) * bc)[None, :, None]
+    if geo.block_rows == 1:       # a block is part of one row: the local index is its column
+        flat = base + local
+    elif bc & (bc - 1) == 0:
+        flat = base + (local >> (bc.bit_length() - 1)) * geo.cols + (local & (bc - 1))
+    else:
+        row = torch.div(local, bc, rounding_mode="floor")
+        flat = base + row * geo.cols + (local - row * bc)
+    return flat.reshape(local.shape[0], -1)
