@@ -1,0 +1,55 @@
+"""Re-run committed study cells from the configs their result files hold, and compare.
+
+For each result file (`results/<spec>/<cell>.json`), trains its `config` again in this process
+with one torch thread (as the study runs cells) and prints one JSON line: the committed final
+validation loss, the re-run's, whether they are the same float, and the machine. A cell re-runs
+to the bit only on the CPU model it was made on (docs/ALGORITHMS.md, "Reproducibility across
+CPUs"); between two commits on one machine, equal re-runs show the arithmetic did not change.
+
+    python -m benchmarks.rerun_cell results/processes/none-skip-p0.1-s0.json [...] [--out runs/rerun]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from crucible.config import Config
+from crucible.events import JsonlCallback
+from crucible.store import LocalStore
+from crucible.train import Trainer
+
+
+def rerun(path: Path, out: Path) -> dict[str, object]:
+    committed = json.loads(path.read_text())
+    folder = out / f"{path.stem}-{uuid.uuid4().hex[:8]}"
+    trainer = Trainer(Config.from_dict(committed["config"]), store=LocalStore(folder / "store"),
+                      run_key="rerun", callback=JsonlCallback(folder))
+    summary = trainer.run()
+    trainer.callback.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"cell": str(path), "committed": committed["final_val_loss"],
+            "rerun": summary["final_val_loss"],
+            "equal": committed["final_val_loss"] == summary["final_val_loss"],
+            "made_on": (committed.get("study") or {}).get("machine"),
+            "machine": platform.processor() or platform.machine()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("runs/rerun"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in args.results:
+        print(json.dumps(rerun(path, args.out)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
