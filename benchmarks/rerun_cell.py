@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from crucible.config import Config
 from crucible.events import JsonlCallback
 from crucible.store import LocalStore
+from crucible.study.runner import machine_description
 from crucible.train import Trainer
 
 
@@ -37,7 +37,7 @@ def rerun(path: Path, out: Path) -> dict[str, object]:
             "rerun": summary["final_val_loss"],
             "equal": committed["final_val_loss"] == summary["final_val_loss"],
             "made_on": (committed.get("study") or {}).get("machine"),
-            "machine": platform.processor() or platform.machine()}
+            "machine": machine_description()}
 
 
 def main(argv: list[str] | None = None) -> None:
