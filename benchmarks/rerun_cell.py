@@ -2,7 +2,8 @@
 
 For each result file (`results/<spec>/<cell>.json`), trains its `config` again in this process
 with one torch thread (as the study runs cells) and prints one JSON line: the committed final
-validation loss, the re-run's, whether they are the same float, and the machine. A cell re-runs
+validation loss, the re-run's, whether they are the same float, whether the corpus is the one
+the cell was trained on (its digest), and the machine each ran on. A cell re-runs
 to the bit only on the CPU model it was made on (docs/ALGORITHMS.md, "Reproducibility across
 CPUs"); between two commits on one machine, equal re-runs show the arithmetic did not change.
 
@@ -36,6 +37,7 @@ def rerun(path: Path, out: Path) -> dict[str, object]:
     return {"cell": str(path), "committed": committed["final_val_loss"],
             "rerun": summary["final_val_loss"],
             "equal": committed["final_val_loss"] == summary["final_val_loss"],
+            "same_data": committed.get("data_digest") == trainer.data.digest(),
             "made_on": (committed.get("study") or {}).get("machine"),
             "machine": machine_description()}
 
