@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from crucible.config import Config
+from crucible.data import token_digest
 from crucible.events import JsonlCallback
 from crucible.store import LocalStore
 from crucible.study.runner import machine_description
@@ -37,7 +38,8 @@ def rerun(path: Path, out: Path) -> dict[str, object]:
     return {"cell": str(path), "committed": committed["final_val_loss"],
             "rerun": summary["final_val_loss"],
             "equal": committed["final_val_loss"] == summary["final_val_loss"],
-            "same_data": committed.get("data_digest") == trainer.data.digest(),
+            "same_data": committed.get("data_digest") == token_digest(
+                trainer.data.train.numpy(), trainer.data.val.numpy()),
             "made_on": (committed.get("study") or {}).get("machine"),
             "machine": machine_description()}
 
