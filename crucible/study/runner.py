@@ -38,6 +38,40 @@ def machine_description() -> str:
     return ", ".join(parts + ([model] if model else []))
 
 
+def cpu_identity() -> dict[str, Any]:
+    """What tells this machine's CPU model apart where its name does not: a virtual machine may
+    name a Zen 1 and a Zen 3 alike ("AMD EPYC"), and the two round differently. The vendor,
+    family and model of /proc/cpuinfo's first processor, its name, and the kernel path torch
+    dispatches to (`torch.backends.cpu.get_cpu_capability()`); None where unknown."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break                       # the first processor's block is enough
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    import torch
+
+    def number(key: str) -> int | None:
+        return int(info[key]) if info.get(key, "").isdigit() else None
+
+    return {"vendor": info.get("vendor_id"), "family": number("cpu family"),
+            "model": number("model"), "name": info.get("model name"),
+            "kernels": torch.backends.cpu.get_cpu_capability()}
+
+
+def _identity_text(identity: Mapping[str, Any]) -> str:
+    return (f"{identity.get('name') or identity.get('vendor') or 'a CPU'} (family "
+            f"{identity.get('family')}, model {identity.get('model')}, "
+            f"{identity.get('kernels')} kernels)")
+
+
+def _signature(identity: Mapping[str, Any]) -> tuple:
+    return tuple(identity.get(k) for k in ("vendor", "family", "model", "kernels"))
+
+
 def cpu_model(description: str | None = None) -> str | None:
     """The CPU model in a `machine_description()` (default: this machine's); None when it
     names none (older results say only where they ran)."""
@@ -49,19 +83,29 @@ def cpu_model(description: str | None = None) -> str | None:
 
 
 def check_same_cpu(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]] | None = None, *,
-                   here: str | None = None) -> None:
+                   here: str | None = None, here_cpu: Mapping[str, Any] | None = None) -> None:
     """Refuse (StudyError) to add runs made on this CPU model to results made on another.
     Training is chaotic, and two CPUs' kernels round differently (an AMD EPYC's AVX2 paths
     against an Intel Xeon's AVX-512 ones: the same cell of study-d128 ended 1.4% apart), so a
     run here would be paired with a same-seed baseline that is not its twin and the paired
-    interval would mix two noise levels. Results that name no CPU model are not compared."""
+    interval would mix two noise levels. A result that records its CPU (`study.cpu`, since
+    issue 24) is compared by vendor, family, model and kernel path (`cpu_identity`); an older
+    one by the model name in `study.machine`, which cannot tell CPUs apart that a virtual
+    machine names alike; one that names no CPU model is not compared."""
     here = cpu_model() if here is None else here
+    here_cpu = cpu_identity() if here_cpu is None else here_cpu
     if here is None:
         return
     results = load_results(spec) if results is None else results
-    theirs = sorted({m for m in (cpu_model(str((r.get("study") or {}).get("machine", "")))
-                                 for r in results.values()) if m})
+    recorded = [(r.get("study") or {}) for r in results.values()]
+    theirs = sorted({m for m in (cpu_model(str(st.get("machine", ""))) for st in recorded
+                                 if not isinstance(st.get("cpu"), Mapping)) if m})
     others = [m for m in theirs if m != here]
+    others += sorted({_identity_text(st["cpu"]) for st in recorded
+                      if isinstance(st.get("cpu"), Mapping)
+                      and _signature(st["cpu"]) != _signature(here_cpu)})
+    if any(isinstance(st.get("cpu"), Mapping) for st in recorded):
+        here = _identity_text(here_cpu)
     if others:
         raise StudyError(
             f"{spec.shown(spec.results_dir)} holds runs made on {', '.join(others)}; this "
@@ -116,7 +160,7 @@ def keep_result(spec: SweepSpec, cell: Cell, summary: dict[str, Any], *, jobs: i
     rename)."""
     kept, dropped = slim_summary(portable(summary))
     kept["study"] = {"spec": spec.name, "cell": cell.id, "machine": machine_description(),
-                     "jobs": jobs, "dropped_fields": dropped}
+                     "cpu": cpu_identity(), "jobs": jobs, "dropped_fields": dropped}
     path = result_path(spec, cell)
     write_json_atomic(path, kept)
     return path

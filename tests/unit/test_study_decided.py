@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from crucible import stats, study
 from crucible.cells import GridKey, expand_cells
@@ -600,6 +601,30 @@ def test_a_study_refuses_runs_from_a_second_cpu_model(tmp_path: Path) -> None:
     assert "Intel(R) Xeon(R) Processor" in message and "AMD EPYC" in message
     assert "--allow-mixed-cpus" in message
     assert study.cpu_model("x86_64, 2 CPUs, AMD EPYC 7B13, 64-Core") == "AMD EPYC 7B13, 64-Core"
+
+
+def test_cpus_a_virtual_machine_names_alike_are_told_apart_by_family_and_model(
+        tmp_path: Path) -> None:
+    """Two 'AMD EPYC' machines, a Zen 1 (family 23) and a Zen 3 (family 25): a result that
+    records its CPU is compared by vendor, family, model and kernels, not by the name; an older
+    result (name only) still by the name."""
+    from crucible.study.runner import cpu_identity
+
+    spec = study.load_spec(write_spec(tmp_path, LOW_P_GRID))
+    zen1 = {"vendor": "AuthenticAMD", "family": 23, "model": 1, "name": "AMD EPYC",
+            "kernels": "AVX2"}
+    zen3 = {**zen1, "family": 25}
+    made = {"a": {"study": {"machine": "x86_64, 2 CPUs, AMD EPYC", "cpu": zen3}}}
+    study.check_same_cpu(spec, made, here="AMD EPYC", here_cpu=zen3)
+    with pytest.raises(study.StudyError) as info:
+        study.check_same_cpu(spec, made, here="AMD EPYC", here_cpu=zen1)
+    assert "family 25" in str(info.value) and "family 23" in str(info.value)
+    older = {"b": {"study": {"machine": "x86_64, 2 CPUs, AMD EPYC"}}}
+    study.check_same_cpu(spec, older, here="AMD EPYC", here_cpu=zen1)   # the name agrees
+    # and this machine's own identity is read, with torch's kernel path
+    here = cpu_identity()
+    assert here["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert set(here) == {"vendor", "family", "model", "name", "kernels"}
 
 
 def test_a_precision_rounds_seeds_are_read_back_and_not_owed(tmp_path: Path) -> None:
