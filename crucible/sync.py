@@ -157,9 +157,15 @@ class OuterSync:
         if not self.transfer_threads:
             yield _Inline()
             return
-        with ThreadPoolExecutor(max_workers=self.transfer_threads,
-                                thread_name_prefix="crucible-upload") as pool:
+        pool = ThreadPoolExecutor(max_workers=self.transfer_threads,
+                                  thread_name_prefix="crucible-upload")
+        try:
             yield pool
+        except BaseException:
+            # the round failed: uploads not started yet are dropped, the running ones finish
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -323,9 +329,15 @@ class OuterSync:
                 "outer": [o.state_dict() for o in self.outer]}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.global_weights = [{n: t.clone() for n, t in w.items()} for w in state["global_weights"]]  # type: ignore[union-attr]
-        self.errors = [{n: t.clone() for n, t in e.items()} for e in state["errors"]]  # type: ignore[union-attr]
+        """Restore from `state_dict`'s tensors wherever they were loaded (a checkpoint is read
+        onto the CPU): the weights, error buffers and outer momentum go to this round's device."""
+        def here(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, copy=True)
+
+        self.global_weights = [{n: here(t) for n, t in w.items()} for w in state["global_weights"]]  # type: ignore[union-attr]
+        self.errors = [{n: here(t) for n, t in e.items()} for e in state["errors"]]  # type: ignore[union-attr]
         # a checkpoint from before the phases were split times only encode and decode
         self.codec_s = {**dict.fromkeys(PHASES, 0.0), **state.get("codec_s", {})}  # type: ignore[dict-item]
         for opt, st in zip(self.outer, state["outer"], strict=True):  # type: ignore[arg-type]
             opt.load_state_dict(st)
+            opt.buffers = {n: b.to(self.device) for n, b in opt.buffers.items()}

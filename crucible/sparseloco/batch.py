@@ -198,11 +198,12 @@ def _unpack_rows2(raw: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _row_norms_sq(decoded: torch.Tensor) -> list[float]:
-    """`SparseValues.norm_sq` of every row of `decoded` (B, n), with one copy to the host: on
-    the CPU row by row (the very sum `norm_sq` takes), elsewhere as one reduction."""
-    if decoded.device.type == "cpu":
-        return [float(torch.sum(row.double() ** 2)) for row in decoded]
-    return (decoded.double() ** 2).sum(dim=1).tolist()
+    """`SparseValues.norm_sq` of every row of `decoded` (B, n), row by row (the very sum
+    `norm_sq` takes, so a peer that decodes one blob alone gets the same norm on any device and
+    batch size; a batched reduction's order depends on the batch on a GPU), one host copy."""
+    if not len(decoded):
+        return []
+    return torch.stack([torch.sum(row.double() ** 2) for row in decoded]).tolist()
 
 
 def _flat_indices(local: torch.Tensor, geo: Geometry) -> torch.Tensor:

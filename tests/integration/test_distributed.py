@@ -135,19 +135,27 @@ def _records(path: Path) -> list[str]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_processes_on_one_gpu_agree_with_the_simulator_to_round_off(tmp_path: Path) -> None:
     """Both replica processes on the one GPU (`cuda:LOCAL_RANK`, each agent seeing GPU 0), the
-    simulator on it too: every global weight within fp32 round-off of the simulator's (cuBLAS
-    may pick other kernels for one replica row than for two; a top-k choice may then flip where
-    two magnitudes tie to round-off, so at most one value per tensor may differ by more)."""
+    simulator on it too. The two processes hold the same global weights bit for bit (every peer
+    aggregates the same agreed set the same way); against the simulator they agree to round-off
+    (cuBLAS may pick other kernels for one replica row than for two, and a top-k choice may
+    then flip where two magnitudes tie, moving a few values of a tensor by about a
+    pseudo-gradient entry), so each stage's weights are compared by relative norm."""
     config = _config(2, 2, "train.device=cuda")
     out = tmp_path / "dist"
     summary = launch(config, out_dir=out)
     assert summary["distributed"]["devices"] == {"0": "cuda:0", "1": "cuda:0"}
     _, sim, final_sim = _simulate(config, tmp_path)
     final = torch.load(out / "model.pt", weights_only=True)["stages"]
+    peers = [torch.load(p, weights_only=True)["stages"]
+             for p in sorted((out / "replicas").glob("replica-*/model.pt"))]
+    assert len(peers) == 2
     for s in range(config.pipeline.stages):
-        for name, want in final_sim[s].items():
-            diff = (final[s][name].float() - want.detach().cpu().float()).abs()
-            assert int((diff > 1e-4).sum()) <= 1, (s, name, float(diff.max()))
+        for name in final_sim[s]:
+            assert torch.equal(peers[0][s][name], peers[1][s][name]), (s, name)
+        ours = torch.cat([final[s][n].float().reshape(-1) for n in final_sim[s]])
+        theirs = torch.cat([final_sim[s][n].detach().cpu().float().reshape(-1)
+                            for n in final_sim[s]])
+        assert float((ours - theirs).norm() / theirs.norm()) < 1e-4, s
     assert summary["final_val_loss"] == pytest.approx(sim["final_val_loss"], rel=1e-3)
     assert summary["contributions"] == sim["contributions"]
 
