@@ -109,12 +109,14 @@ def test_a_worker_killed_inside_its_upload_is_restarted_and_rejoins(tmp_path: Pa
     summary = _check_recovered(out, killed_wall=killed)
     assert summary["distributed"]["recoveries"][0]["killed_at_step"] == AT
     # the half-written object never became one: the held stage is missing from round AT's
-    # agreed set; the others' uploads run on their own threads (beside the held one), so they
-    # landed whole before the kill and are in theirs
+    # agreed set; the others' uploads run on their own threads, beside the held one, so each
+    # is in its stage's set exactly when it landed whole before the kill
     store = out / "store" / summary["run_key"]
     manifests = [json.loads((store / f"{AT:08d}" / f"stage-{s}" / "manifest.json").read_text())
                  for s in range(4)]
-    assert [1 in m["included"] for m in manifests] == [True, True, False, True]
+    landed = [(store / f"{AT:08d}" / f"stage-{s}" / "replica-1").exists() for s in range(4)]
+    assert [1 in m["included"] for m in manifests] == landed
+    assert not landed[2]                       # the held one
     assert not (out / "store" / held["key"]).exists()
 
 
