@@ -69,20 +69,21 @@ class _Deferred:
     """A call that runs when its result is first asked for: an upload without a thread runs
     when the round waits for it, so `upload_wait` is its whole time."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
-        self._fn, self._args, self._ran, self._value = fn, args, False, None
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+        self._call, self._ran, self._value = (fn, args, kwargs), False, None
 
     def result(self) -> Any:
         if not self._ran:
-            self._value, self._ran = self._fn(*self._args), True
+            fn, args, kwargs = self._call
+            self._value, self._ran = fn(*args, **kwargs), True
         return self._value
 
 
 class _Inline:
     """The executor of `transfer_threads = 0`: every call deferred to its `result()`."""
 
-    def submit(self, fn: Callable[..., Any], *args: object) -> _Deferred:
-        return _Deferred(fn, args)
+    def submit(self, fn: Callable[..., Any], *args: object, **kwargs: Any) -> _Deferred:
+        return _Deferred(fn, args, kwargs)
 
 
 @dataclass
@@ -139,14 +140,18 @@ class OuterSync:
         if self.method == "ddp":
             return [self._ddp_refresh(stage, contributes[:, stage]) for stage in range(S)]
         results = [StageSyncResult(stage=stage) for stage in range(S)]
+        # per stage, the replicas that trained it this round and so contribute, ascending
+        made = [[r for r in range(self.config.replicas) if bool(contributes[r, stage])]
+                for stage in range(S)]
         with self._transfers() as pool:  # leaving it waits for every upload, even on an error
-            pending = [self._encode_and_upload(pool, global_step, stage, contributes[:, stage],
+            pending = [self._encode_and_upload(pool, global_step, stage, made[stage],
                                                results[stage]) for stage in range(S)]
             for stage in range(S):
                 with self._phase("upload_wait"):
                     for future in pending[stage]:
-                        self.codec_s["upload"] += future.result()  # an upload's error: here
-                self._agree_and_apply(global_step, stage, contributes[:, stage], results[stage])
+                        seconds, _ = future.result()      # an upload's error is raised here
+                        self.codec_s["upload"] += seconds
+                self._agree_and_apply(global_step, stage, made[stage], results[stage])
         keep = self.config.store.keep_rounds
         if keep:
             prune_rounds(self.store, self.run_key, keep_from=global_step + 1 - keep)
@@ -179,17 +184,20 @@ class OuterSync:
                 torch.cuda.synchronize(self.device)
             self.codec_s[name] += time.perf_counter() - started
 
-    def _upload(self, global_step: int, stage: int, replica: int, blob: bytes) -> float:
-        """Upload one blob (on a transfer thread); returns the seconds it took."""
+    def _upload(self, global_step: int, stage: int, replica: int, blob: bytes, *,
+                if_absent: bool = False) -> tuple[float, bool]:
+        """Upload one blob (on a transfer thread; `if_absent`: create only, see
+        `gather.upload_contribution`); returns the seconds it took and whether it was written."""
         started = time.perf_counter()
-        upload_contribution(self.store, self.run_key, global_step, stage, replica, blob)
-        return time.perf_counter() - started
+        written = upload_contribution(self.store, self.run_key, global_step, stage, replica,
+                                      blob, if_absent=if_absent) is not None
+        return time.perf_counter() - started, written
 
     def _encode_and_upload(self, pool: ThreadPoolExecutor | _Inline, global_step: int,
-                           stage: int, contributes: torch.Tensor,
+                           stage: int, made: list[int],
                            result: StageSyncResult) -> list[Future | _Deferred]:
-        """Encode the stage's contributions and hand each blob to `pool`; returns the uploads."""
-        made = [r for r in range(self.config.replicas) if bool(contributes[r])]
+        """Encode the contributions of the replicas in `made` and hand each blob to `pool`;
+        returns the uploads."""
         with self._phase("encode"):
             blobs = self._encode(global_step, stage, made) if made else []
         dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
@@ -201,11 +209,10 @@ class OuterSync:
             result.dense_bytes += dense_per
         return uploads
 
-    def _agree_and_apply(self, global_step: int, stage: int, contributes: torch.Tensor,
+    def _agree_and_apply(self, global_step: int, stage: int, made: list[int],
                          result: StageSyncResult) -> None:
-        """Fix the stage's agreed set, aggregate it and take the outer step; every replica of
-        the stage then holds the new global weights."""
-        made = [r for r in range(self.config.replicas) if bool(contributes[r])]
+        """Fix the stage's agreed set among the replicas in `made`, aggregate it and take the
+        outer step; every replica of the stage then holds the new global weights."""
         idle = {r: (f"the run's fault plan has replica {r} idle at stage {stage} in global step "
                     f"{global_step} (down, or dropped with its replica): it trained nothing, so "
                     "this object is not its contribution")

@@ -30,7 +30,6 @@ from crucible.gather import (
     contribution_key,
     load_agreed,
     manifest_key,
-    upload_contribution,
 )
 from crucible.manifest import Manifest, manifest_events, manifest_limit
 from crucible.pipeline import ReplicatedPipeline
@@ -76,7 +75,10 @@ class ReplicaSync(OuterSync):
                 if bool(contributes[self.replica, stage]):
                     with self._phase("encode"):
                         blob = self._encode_own(global_step, stage)
-                    uploads[stage] = pool.submit(self._upload_own, global_step, stage, blob)
+                    # create only: a process killed after uploading and restarted into the
+                    # same round must not replace a blob a peer may already have agreed on
+                    uploads[stage] = pool.submit(self._upload, global_step, stage, self.replica,
+                                                 blob, if_absent=True)
                     results[stage].upload_bytes = len(blob)
                     results[stage].dense_bytes = 4 * sum(
                         t.numel() for t in self.global_weights[stage].values())
@@ -112,15 +114,6 @@ class ReplicaSync(OuterSync):
             self.watch.round_over(global_step)
         self._maybe_snapshot(global_step, agreed[0].included)
         return results
-
-    def _upload_own(self, global_step: int, stage: int, blob: bytes) -> tuple[float, bool]:
-        """Upload this replica's blob (on a transfer thread), create only: a process killed
-        after uploading and restarted into the same round must not replace a blob a peer may
-        already have agreed on. Returns the seconds it took and whether it was written."""
-        started = time.perf_counter()
-        written = upload_contribution(self.store, self.run_key, global_step, stage,
-                                      self.replica, blob, if_absent=True) is not None
-        return time.perf_counter() - started, written
 
     def _encode_own(self, global_step: int, stage: int) -> bytes:
         """This replica's blob for `stage`, encoded on the weights' device."""

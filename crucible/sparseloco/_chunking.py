@@ -110,9 +110,18 @@ def from_chunks(chunks: torch.Tensor, geo: Geometry) -> torch.Tensor:
 
 
 def flat_indices(local: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """Flat (row-major, whole-tensor) indices of chunk-local indices `local` (n_chunks, k)."""
-    grid_c = geo.cols // geo.block_cols
-    chunk_id = torch.arange(geo.n_chunks, dtype=torch.int64).unsqueeze(1)
-    row = (chunk_id // grid_c) * geo.block_rows + local // geo.block_cols
-    col = (chunk_id % grid_c) * geo.block_cols + local % geo.block_cols
-    return (row * geo.cols + col).reshape(-1)
+    """Flat (row-major, whole-tensor) indices of chunk-local indices `local` (..., n_chunks, k),
+    on its device: (..., n_chunks * k). Each chunk's first flat index plus the local index's
+    row and column inside the block (a shift and a mask where the block's width is a power of
+    two, as 64 is)."""
+    grid_c, bc = geo.cols // geo.block_cols, geo.block_cols
+    chunk = torch.arange(geo.n_chunks, dtype=torch.int64, device=local.device)
+    base = ((chunk // grid_c) * (geo.block_rows * geo.cols) + (chunk % grid_c) * bc)[:, None]
+    if geo.block_rows == 1:       # a block is part of one row: the local index is its column
+        flat = base + local
+    elif bc & (bc - 1) == 0:
+        flat = base + (local >> (bc.bit_length() - 1)) * geo.cols + (local & (bc - 1))
+    else:
+        row = torch.div(local, bc, rounding_mode="floor")
+        flat = base + row * geo.cols + (local - row * bc)
+    return flat.reshape(*local.shape[:-2], -1)

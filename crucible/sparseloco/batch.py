@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from crucible.sparseloco import _wire
-from crucible.sparseloco._chunking import Geometry, geometry
+from crucible.sparseloco._chunking import Geometry, flat_indices, geometry
 from crucible.sparseloco._wire import InvalidContribution
 from crucible.sparseloco.codec import (
     _QUANT,
@@ -172,7 +172,7 @@ def _decode_parameter(name: str, geo: Geometry, frames: dict[int, _Frame],
     table_t = torch.from_numpy(table32[keep]).to(device)
     shift_t = torch.from_numpy(shift32[keep]).to(device)
     decoded = table_t.gather(1, kept(codes)) + shift_t[:, None]
-    flat = _flat_indices(kept(local), geo)
+    flat = flat_indices(kept(local), geo)
     for row, (j, norm_sq) in enumerate(zip(keep, _row_norms_sq(decoded), strict=True)):
         values[order[j]][name] = SparseValues(indices=flat[row], values=decoded[row],
                                               norm_sq_known=norm_sq)
@@ -204,20 +204,3 @@ def _row_norms_sq(decoded: torch.Tensor) -> list[float]:
     if not len(decoded):
         return []
     return torch.stack([torch.sum(row.double() ** 2) for row in decoded]).tolist()
-
-
-def _flat_indices(local: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """`_chunking.flat_indices` of every row of `local` (B, n_chunks, k): (B, n_chunks * k).
-    Each chunk's first flat index, plus the local index's row and column inside the block (a
-    shift and a mask where the block's width is a power of two, as 64 is)."""
-    grid_c, bc = geo.cols // geo.block_cols, geo.block_cols
-    chunk = torch.arange(geo.n_chunks, dtype=torch.int64, device=local.device)
-    base = ((chunk // grid_c) * (geo.block_rows * geo.cols) + (chunk % grid_c) * bc)[None, :, None]
-    if geo.block_rows == 1:       # a block is part of one row: the local index is its column
-        flat = base + local
-    elif bc & (bc - 1) == 0:
-        flat = base + (local >> (bc.bit_length() - 1)) * geo.cols + (local & (bc - 1))
-    else:
-        row = torch.div(local, bc, rounding_mode="floor")
-        flat = base + row * geo.cols + (local - row * bc)
-    return flat.reshape(local.shape[0], -1)

@@ -24,25 +24,8 @@ MAX_RESULT_BYTES = 50_000
 BULKY_FIELDS: tuple[str, ...] = ("faults", "donor_load", "inner_steps", "mapl_bases", "evals")
 
 
-def machine_description() -> str:
-    """e.g. 'x86_64, 2 CPUs, Intel(R) Xeon(R) ...' (no host name)."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    parts = [platform.machine() or "unknown", f"{os.cpu_count() or '?'} CPUs"]
-    return ", ".join(parts + ([model] if model else []))
-
-
-def cpu_identity() -> dict[str, Any]:
-    """What tells this machine's CPU model apart where its name does not: a virtual machine may
-    name a Zen 1 and a Zen 3 alike ("AMD EPYC"), and the two round differently. The vendor,
-    family and model of /proc/cpuinfo's first processor, its name, and the kernel path torch
-    dispatches to (`torch.backends.cpu.get_cpu_capability()`); None where unknown."""
+def _first_cpu() -> dict[str, str]:
+    """/proc/cpuinfo's fields of the first processor ({} where there is none to read)."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -52,6 +35,22 @@ def cpu_identity() -> dict[str, Any]:
             info[key.strip()] = value.strip()
     except OSError:
         pass
+    return info
+
+
+def machine_description() -> str:
+    """e.g. 'x86_64, 2 CPUs, Intel(R) Xeon(R) ...' (no host name)."""
+    model = _first_cpu().get("model name", "")
+    parts = [platform.machine() or "unknown", f"{os.cpu_count() or '?'} CPUs"]
+    return ", ".join(parts + ([model] if model else []))
+
+
+def cpu_identity() -> dict[str, Any]:
+    """What tells this machine's CPU model apart where its name does not: a virtual machine may
+    name a Zen 1 and a Zen 3 alike ("AMD EPYC"), and the two round differently. The vendor,
+    family and model of /proc/cpuinfo's first processor, its name, and the kernel path torch
+    dispatches to (`torch.backends.cpu.get_cpu_capability()`); None where unknown."""
+    info = _first_cpu()
     import torch
 
     def number(key: str) -> int | None:
