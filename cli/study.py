@@ -6,16 +6,60 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from crucible.cells import Cell
 from crucible.spec import SweepSpec
 from crucible.study.document import render
-from crucible.study.runner import adopt_results, check_same_cpu
+from crucible.study.runner import adopt_results
 from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec
 
 
-def for_run(spec: SweepSpec, *, jobs: int, seeds: list[int] | None = None) -> SweepSpec:
+def for_run(spec: SweepSpec, *, jobs: int, seeds: list[int] | None = None,
+            cells: list[str] | None = None) -> SweepSpec:
     """The spec as `study run` runs it: `jobs` cells at a time, and with `seeds` only those
-    seeds' cells (`run_seeds`: the study stays one sweep in its registry)."""
-    return spec.model_copy(update={"max_concurrent_runs": jobs, "run_seeds": seeds})
+    seeds' cells, with `cells` only the cells matching one of those patterns (`run_seeds`,
+    `run_cells`: the study stays one sweep in its registry)."""
+    return spec.model_copy(update={"max_concurrent_runs": jobs, "run_seeds": seeds,
+                                   "run_cells": cells})
+
+
+def _parse_cells(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    patterns = [part.strip() for part in text.split(",") if part.strip()]
+    if not patterns:
+        raise StudyError("--cells must name cell ids or shell patterns such as "
+                         "'none-*,ssn-skip-p0.2-*'; got nothing")
+    return patterns
+
+
+def here_arithmetic(threads: int = 1) -> str:
+    """This machine's arithmetic digest as the study's one-thread runs compute it."""
+    import torch
+
+    from crucible.arithmetic import arithmetic
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return str(arithmetic()["digest"])
+    finally:
+        torch.set_num_threads(before)
+
+
+def arithmetic_check(spec: SweepSpec, todo: list[Cell], *, explicit_seeds: bool,
+                     here: str | None = None) -> tuple[list[Cell], dict[int, str]]:
+    """The cells of `todo` this machine may add (`crucible.study.blocks`), and the seeds it
+    leaves with the reason. Raises StudyError when `explicit_seeds` (the user named them) and
+    one of them is refused."""
+    from crucible.study.blocks import load_proofs, runnable, seed_blocks
+    from crucible.study.runner import load_results
+
+    here = here_arithmetic() if here is None else here
+    blocks = seed_blocks(spec, load_results(spec), load_proofs(spec))
+    ok, refused = runnable(spec, todo, blocks, here)
+    if refused and explicit_seeds:
+        raise StudyError("; ".join(refused[s] for s in sorted(refused)))
+    return ok, refused
 
 
 def _parse_seeds(text: str | None, spec: SweepSpec) -> list[int] | None:
@@ -51,18 +95,26 @@ def register(app: Any) -> None:
         jobs: int = typer.Option(2, "--jobs", help="runs at a time (one torch thread each)"),
         seeds: str | None = typer.Option(None, "--seeds", help="only these of the spec's seeds, "
                                                                "e.g. 0,1"),
+        cells_opt: str | None = typer.Option(
+            None, "--cells", help="only the cells whose id matches one of these shell "
+                                  "patterns, e.g. 'none-*,ssn-skip-p0.2-*'"),
         dry_run: bool = typer.Option(False, "--dry-run", help="list the cells that would run"),
         skip_memory_check: bool = typer.Option(
             False, "--skip-memory-check", help="start runs whatever their memory estimate"),
-        allow_mixed_cpus: bool = typer.Option(
-            False, "--allow-mixed-cpus", help="add runs made on this CPU model to results made "
-                                              "on another (they are not bit-comparable)"),
+        allow_mixed: bool = typer.Option(
+            False, "--allow-mixed-arithmetic",
+            help="add cells made here to seed blocks made with another arithmetic (their "
+                 "pairs are then not twins; docs/ALGORITHMS.md)"),
     ) -> None:
         """Run the cells of SPEC that have no result file yet on the failure-sweep flow.
 
         The flow runs on the embedded stack (ephemeral Prefect, the registry over SQLite in the
         study's runs folder), JOBS cells at a time; cells with a results/NAME/CELL.json are
         skipped, and each finished cell's summary is kept there. Ends with the offline report.
+
+        Every cell of one seed is made with one arithmetic (crucible.arithmetic's digest): the
+        seeds whose results were made with another are left out (named, with the fix), and
+        naming such a seed in --seeds is refused (exit 2).
 
         Exit 1 if a run failed (the others still run), 2 for a bad spec or option."""
         if jobs < 1:
@@ -72,13 +124,18 @@ def register(app: Any) -> None:
 
         try:
             spec = load_spec(spec_path)
-            spec = for_run(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec))
+            spec = for_run(spec, jobs=jobs, seeds=_parse_seeds(seeds, spec),
+                           cells=_parse_cells(cells_opt))
             if not dry_run:
                 check_spec_here(spec, memory_check=not skip_memory_check)
-                if not allow_mixed_cpus:
-                    check_same_cpu(spec)
             cells = spec.runs_now()
+            if not cells:
+                raise StudyError(f"--seeds/--cells select none of {spec.name}'s cells; "
+                                 "`crucible study run SPEC --dry-run` lists them")
             done, todo = completed_cells(spec, cells)
+            refused: dict[int, str] = {}
+            if not allow_mixed:
+                todo, refused = arithmetic_check(spec, todo, explicit_seeds=seeds is not None)
             adopted = adopt_results(spec, todo, write=not dry_run)
         except (StudyError, ConfigError) as exc:
             raise fail(str(exc)) from None
@@ -86,8 +143,13 @@ def register(app: Any) -> None:
             typer.echo(f"study {spec.name}: {len(adopted)} cells taken from identical runs of "
                        + ", ".join(sorted(set(adopted.values()))))
         todo = [cell for cell in todo if cell.id not in adopted]
-        typer.echo(f"study {spec.name}: {len(cells)} cells, {len(cells) - len(todo)} already in "
-                   f"{spec.shown(spec.results_dir)} (skipped), {len(todo)} to run"
+        for seed in sorted(refused):
+            typer.echo(f"study {spec.name}: seed {seed} left out: {refused[seed]}", err=True)
+        if refused:     # the flow runs exactly the cells this machine may add
+            spec = for_run(spec, jobs=jobs, cells=[cell.id for cell in todo] or ["-"])
+        left_out = f", {len(cells) - len(done) - len(todo)} left out" if refused else ""
+        typer.echo(f"study {spec.name}: {len(cells)} cells, {len(done) + len(adopted)} already in "
+                   f"{spec.shown(spec.results_dir)} (skipped){left_out}, {len(todo)} to run"
                    + ("" if dry_run or not todo else f", {jobs} at a time"))
         if dry_run:
             for cell in todo:

@@ -64,7 +64,7 @@ BASELINE_NEUTRAL_KEYS = ("pipeline.bypass_decode", "faults.duration", "faults.pr
 # at once are not what it runs
 ANNOTATIONS = ("tags", "notes", "title", "files", "close_margin", "equivalence_margin",
                "target_half_width", "max_concurrent_runs", "references", "claims",
-               "run_seeds")
+               "run_seeds", "run_cells")
 # fields added after specs were first stored: left out of the identity while unset, so a sweep
 # stored by an earlier release is continued by its re-run
 _LATER_OPTIONAL = ("max_seeds", "grid")
@@ -338,6 +338,12 @@ class SweepSpec(BaseModel):
                     "sweep stays the same sweep, and a run without it completes the grid. Empty "
                     "= every seed. No precision round runs while cells of other seeds are "
                     "still to run.")
+    run_cells: list[str] | None = Field(
+        None, min_length=1,
+        description="Run only the cells whose id matches one of these shell patterns now (e.g. "
+                    "`none-*`, `ssn-skip-p0.2-*`; a cell's id is ARM-STRATEGY-pP-sSEED, a "
+                    "baseline's ARM-base-sSEED); with run_seeds, both must match. The sweep "
+                    "stays the same sweep. Empty = every cell.")
     max_concurrent_runs: int = Field(
         2, ge=1, le=1024,
         description="Most cells in flight at once (each also waits for a GPU slot on its host).")
@@ -474,9 +480,21 @@ class SweepSpec(BaseModel):
                              f"{list(self.all_seeds)}; choose from those")
         return self
 
+    @property
+    def partial(self) -> bool:
+        """True when this run of the spec runs only some of its cells (`run_seeds`,
+        `run_cells`)."""
+        return self.run_seeds is not None or self.run_cells is not None
+
     def runs_now(self) -> list[Cell]:
-        """The cells this run of the spec runs: every cell, or `run_seeds`' only."""
-        return self.cells(self.run_seeds)
+        """The cells this run of the spec runs: every cell, or only `run_seeds`' and those
+        `run_cells` matches."""
+        from fnmatch import fnmatchcase
+
+        cells = self.cells(self.run_seeds)
+        if self.run_cells is None:
+            return cells
+        return [c for c in cells if any(fnmatchcase(c.id, pattern) for pattern in self.run_cells)]
 
     def reference_values(self) -> dict[tuple[str, str, float], float] | None:
         """The references as the claims take them, {(arm, strategy, p): pct}; None: the

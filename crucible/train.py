@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from crucible import boundary
+from crucible.arithmetic import arithmetic
 from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
@@ -469,6 +470,9 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
         # per-window final losses: paired comparisons between runs on the same windows
         torch.save(trainer.last_window_losses.float(), out / "val_windows.pt")
     summary["versions"] = _versions(trainer.device)
+    # the arithmetic it trained with, by what it computes (crucible.arithmetic): a study pairs
+    # cells only within one arithmetic
+    summary["arithmetic"] = arithmetic()
     # the corpus by content, never by path: hashed once, when the summary is written (not in
     # every Trainer's start-up; the splits are the stream's two consecutive parts)
     summary["data_digest"] = token_digest(trainer.data.train.numpy(), trainer.data.val.numpy())

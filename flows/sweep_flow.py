@@ -386,8 +386,9 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     if spec.files is not None:
         keep_all(spec, todo, settings)
     rounds: list[dict[str, Any]] = []
-    # `run_seeds`: the grid's other cells may still be to run; then no round, and no "completed"
-    partial = spec.run_seeds is not None and _cells_left(spec, sweep_id, settings) > 0
+    # `run_seeds` / `run_cells`: the grid's other cells may still be to run; then no round, and
+    # no "completed"
+    partial = spec.partial and _cells_left(spec, sweep_id, settings) > 0
     if spec.max_seeds is not None and not partial \
             and not any(r["status"] == "failed" for r in results):
         rounds = _precision_rounds(spec, sweep_id, planned, settings)

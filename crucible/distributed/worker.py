@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from crucible.arithmetic import arithmetic
 from crucible.boundary import wire_bytes
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, token_digest
@@ -461,7 +462,8 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     callback.flush()
     summary.update(replica=replica, restarts=life, rejoined_at=trainer.rejoined_at,
                    round_waits_s=trainer.sync.waits_s, device=str(device),
-                   versions=_versions(device), data_digest=trainer.data.digest())
+                   versions=_versions(device), data_digest=trainer.data.digest(),
+                   arithmetic=arithmetic())
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
     write_json_atomic(out / "summary.json", summary)
     if heartbeat is not None:

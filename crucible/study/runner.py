@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from crucible.arithmetic import digest_of
 from crucible.cells import Cell
 from crucible.spec import SweepSpec
 from crucible.study.spec import StudyError, load_spec, result_cells, result_path
@@ -159,7 +160,8 @@ def keep_result(spec: SweepSpec, cell: Cell, summary: dict[str, Any], *, jobs: i
     rename)."""
     kept, dropped = slim_summary(portable(summary))
     kept["study"] = {"spec": spec.name, "cell": cell.id, "machine": machine_description(),
-                     "cpu": cpu_identity(), "jobs": jobs, "dropped_fields": dropped}
+                     "cpu": cpu_identity(), "arithmetic": digest_of(summary), "jobs": jobs,
+                     "dropped_fields": dropped}
     path = result_path(spec, cell)
     write_json_atomic(path, kept)
     return path

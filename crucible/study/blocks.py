@@ -1,0 +1,166 @@
+"""Seed blocks: every cell of one seed is made with one arithmetic; seeds may come from any.
+
+A study's estimate is a mean over seeds of differences paired within a seed (a failure cell
+against its arm's same-seed baseline, one arm against another at one seed). Training is
+chaotic, so two machines whose kernels round differently turn one seed into two different
+runs; a pair is only a pair when both of its runs were made with one arithmetic. Different
+seeds need not share it: seeds are exchangeable draws, and the machine a seed's block ran on is
+one more source of seed-to-seed variation, which the interval over seeds already measures. A
+paired difference is unchanged in expectation and costs nothing within a pair; the spread
+between seeds of different machines can only be as wide as the spread between seeds, which the
+interval reports.
+
+So a study's results fall into seed blocks. A block's arithmetic is the digest its results
+record (`crucible.arithmetic`, `study.arithmetic`), or, for results made before the probe
+existed, the digest of a machine that re-ran one of the block's committed cells to the bit
+(a proof, `PROOFS_DIR/<cell>--<digest>.json`, written by `crucible study prove`; a failed
+re-run is kept too, as evidence that the two differ). `crucible study run` adds a cell to a
+block only when this machine's digest is the block's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crucible.arithmetic import digest_of
+from crucible.cells import Cell
+from crucible.spec import SweepSpec
+from crucible.study.spec import StudyError
+
+PROOFS_DIR = "arithmetic-proofs"
+MAX_PROOF_BYTES = 20_000
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{16}$")
+PROOF_KEYS = ("cell", "seed", "arithmetic", "matches", "committed_final_val_loss",
+              "rerun_final_val_loss", "machine", "commit")
+
+
+@dataclass
+class Block:
+    """One seed's results: the digests they record, the cells that record none, and the
+    proofs made for it."""
+
+    seed: int
+    cells: list[str] = field(default_factory=list)
+    digests: dict[str, list[str]] = field(default_factory=dict)    # digest -> its cells
+    undigested: list[str] = field(default_factory=list)
+    proven: dict[str, str] = field(default_factory=dict)            # digest -> proving cell
+    disproven: dict[str, str] = field(default_factory=dict)         # digest -> cell that differed
+
+    @property
+    def arithmetic(self) -> str | None:
+        """The block's one digest, recorded or proven; None when it has none or several."""
+        known = set(self.digests) | (set(self.proven) if self.undigested else set())
+        return next(iter(known)) if len(known) == 1 else None
+
+    def accepts(self, digest: str) -> bool:
+        """True when a cell made with `digest` pairs with this block's cells."""
+        if not self.cells:
+            return True
+        if set(self.digests) - {digest}:
+            return False
+        return not self.undigested or digest in self.proven
+
+    def describe(self) -> str:
+        parts = [f"{len(c)} cells of arithmetic {d}" for d, c in sorted(self.digests.items())]
+        if self.undigested:
+            proven = f", proven {', '.join(sorted(self.proven))}" if self.proven else ""
+            parts.append(f"{len(self.undigested)} cells made before the probe{proven}")
+        return "; ".join(parts) or "empty"
+
+
+def proofs_dir(spec: SweepSpec) -> Path:
+    return spec.results_dir / PROOFS_DIR
+
+
+def read_proof(path: Path) -> dict[str, Any]:
+    """A proof file, checked (StudyError naming the file and the fault)."""
+    try:
+        if path.stat().st_size > MAX_PROOF_BYTES:
+            raise StudyError(f"{path}: over {MAX_PROOF_BYTES} bytes, not a proof; delete it")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StudyError(f"{path}: not readable JSON ({exc}); delete it and run "
+                         "`crucible study prove` again") from None
+    if not isinstance(data, dict) or any(k not in data for k in PROOF_KEYS):
+        raise StudyError(f"{path}: a proof needs the keys {', '.join(PROOF_KEYS)}; delete it "
+                         "and run `crucible study prove` again")
+    if not isinstance(data["arithmetic"], str) or not _DIGEST.match(data["arithmetic"]) \
+            or not isinstance(data["matches"], bool) or not isinstance(data["seed"], int):
+        raise StudyError(f"{path}: `arithmetic` must be a digest like sha256:0123456789abcdef, "
+                         "`matches` a boolean and `seed` an integer; delete it and prove again")
+    for key in ("committed_final_val_loss", "rerun_final_val_loss"):
+        value = data[key]
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise StudyError(f"{path}: {key} is {value!r}, not a finite number")
+    if data["matches"] != (data["committed_final_val_loss"] == data["rerun_final_val_loss"]):
+        raise StudyError(f"{path}: `matches` disagrees with the two losses it records; delete "
+                         "it and prove again")
+    return data
+
+
+def load_proofs(spec: SweepSpec) -> list[dict[str, Any]]:
+    folder = proofs_dir(spec)
+    if not folder.is_dir():
+        return []
+    return [read_proof(path) for path in sorted(folder.glob("*.json"))]
+
+
+def seed_blocks(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
+                proofs: Iterable[Mapping[str, Any]] = ()) -> dict[int, Block]:
+    """The results' seed blocks, by seed ({cell id: result} as `load_results` reads them)."""
+    from crucible.study.spec import result_cells
+
+    seeds = {cell.id: cell.seed for cell in result_cells(spec)}
+    blocks: dict[int, Block] = {}
+    for cell_id, result in results.items():
+        seed = seeds.get(cell_id, result.get("seed"))
+        block = blocks.setdefault(int(seed), Block(int(seed)))
+        block.cells.append(cell_id)
+        digest = digest_of(dict(result))
+        if digest is None:
+            block.undigested.append(cell_id)
+        else:
+            block.digests.setdefault(digest, []).append(cell_id)
+    for proof in proofs:
+        block = blocks.setdefault(int(proof["seed"]), Block(int(proof["seed"])))
+        (block.proven if proof["matches"] else block.disproven)[proof["arithmetic"]] = \
+            proof["cell"]
+    return blocks
+
+
+def refusal(spec: SweepSpec, cell: Cell, block: Block, here: str) -> str:
+    """The message that refuses `cell` on this machine (digest `here`)."""
+    if block.undigested and not (set(block.digests) - {here}):
+        fix = (f"prove this machine computes the block's arithmetic: `crucible study prove "
+               f"{spec.shown(spec.path)} --cell "
+               f"{sorted(block.undigested)[0]}` re-runs that committed cell and records the "
+               "proof if it ends on the same bits")
+        if here in block.disproven:
+            fix = (f"this machine's arithmetic was already shown to differ (re-running "
+                   f"{block.disproven[here]} did not end on its bits): run this seed on a "
+                   "machine of the block's kind")
+    else:
+        fix = "run this seed on a machine whose arithmetic digest is the block's"
+    return (f"seed {cell.seed}'s block ({cell.id} would join it) holds {block.describe()}; "
+            f"this machine computes arithmetic {here}. A cell pairs only with "
+            f"same-seed cells of one arithmetic. Fix: {fix}, or run new seeds here "
+            "(`--seeds` with seeds that have no results yet)")
+
+
+def runnable(spec: SweepSpec, cells: list[Cell], blocks: Mapping[int, Block], here: str
+             ) -> tuple[list[Cell], dict[int, str]]:
+    """(the cells this machine may add, {seed: refusal} for the seeds it may not)."""
+    ok: list[Cell] = []
+    refused: dict[int, str] = {}
+    for cell in cells:
+        block = blocks.get(cell.seed)
+        if block is None or block.accepts(here):
+            ok.append(cell)
+        elif cell.seed not in refused:
+            refused[cell.seed] = refusal(spec, cell, block, here)
+    return ok, refused
