@@ -195,6 +195,36 @@ def register(app: Any) -> None:
         if code:
             raise typer.Exit(code=code)
 
+    @study_app.command("prove")
+    def prove_cmd(
+        spec_path: Path = typer.Argument(..., metavar="SPEC", help="study spec"),
+        cell: str = typer.Option(..., "--cell", help="a committed cell of the seed block to "
+                                                     "prove, e.g. none-base-s3"),
+        work_dir: Path = typer.Option(Path("runs/prove"), "--work-dir",
+                                      help="where the re-run trains (removed afterwards)"),
+    ) -> None:
+        """Re-run one committed cell of a seed block made before the arithmetic probe, and
+        record in the results whether this machine ended on the same bits.
+
+        A match is the proof that lets `study run` add cells of that seed here; a mismatch is
+        kept as evidence that this machine's arithmetic differs. Exit 0 on a match, 1 when the
+        re-run differs (the record is written either way), 2 for a bad spec or cell."""
+        from crucible.study.blocks import prove
+
+        try:
+            spec = load_spec(spec_path)
+            path, proof = prove(spec, cell, work_dir=work_dir)
+        except StudyError as exc:
+            raise fail(str(exc)) from None
+        verdict = ("the same bits: this machine computes the block's arithmetic"
+                   if proof["matches"] else "other bits: this machine's arithmetic is not the "
+                   "block's")
+        typer.echo(f"{cell}: committed {proof['committed_final_val_loss']!r}, re-run "
+                   f"{proof['rerun_final_val_loss']!r} ({proof['arithmetic']}): {verdict}")
+        typer.echo(f"recorded: {spec.shown(path)}")
+        if not proof["matches"]:
+            raise typer.Exit(code=1)
+
     @study_app.command("adopt")
     def adopt_cmd(
         spec_path: Path = typer.Argument(..., metavar="SPEC", help="study spec"),

@@ -10,7 +10,8 @@ gradient clipping, the fused AdamW step, the Stiefel step, the SparseLoCo quanti
 synthetic data from a fixed seed, and hashes every output's bytes: two machines with one
 `digest` compute these kernels alike, two with different digests do not.
 
-The probe runs with the calling process's torch thread count and environment (the thread
+The module imports torch only when it probes (`digest_of` reads records without it). The
+probe runs with the calling process's torch thread count and environment (the thread
 count changes the order of reductions, and `MKL_CBWR`, `ATEN_CPU_CAPABILITY` and
 `ONEDNN_MAX_CPU_ISA` select kernels), so a run records the digest of the arithmetic it trains
 with. It takes about a second and is computed once per process (`arithmetic()`); a summary
@@ -21,9 +22,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PROBE_VERSION = 1
 # environment variables that choose kernels; recorded beside the digest
@@ -35,6 +37,8 @@ _cached: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 def _outputs() -> list[torch.Tensor]:
     """The probe's outputs, in a fixed order."""
+    import torch
+
     from crucible import boundary
     from crucible.optim import ReplicaAdamW, clip_per_replica
     from crucible.pipeline import ReplicatedPipeline
@@ -82,6 +86,8 @@ def _outputs() -> list[torch.Tensor]:
 def probe() -> dict[str, Any]:
     """Run the probe now: {digest, probe (its version), threads, torch, env (the kernel
     variables that are set)}."""
+    import torch
+
     hasher = hashlib.sha256(f"crucible-arithmetic-v{PROBE_VERSION}".encode())
     for tensor in _outputs():
         t = tensor.detach().contiguous().cpu()
@@ -94,6 +100,8 @@ def probe() -> dict[str, Any]:
 
 def arithmetic() -> dict[str, Any]:
     """`probe()`, computed once per process for its thread count and kernel environment."""
+    import torch
+
     key = (torch.get_num_threads(), tuple(os.environ.get(k) for k in KERNEL_ENV))
     if key not in _cached:
         _cached[key] = probe()
@@ -116,6 +124,8 @@ def main() -> None:
     """`python -m crucible.arithmetic`: print this machine's probe as JSON."""
     import json
     import time
+
+    import torch
 
     torch.set_num_threads(int(os.environ.get("CRUCIBLE_THREADS", "1")))
     started = time.perf_counter()

@@ -53,8 +53,6 @@ from crucible.study.document import render, render_markdown, table_files
 from crucible.study.figures import CHROMIUM, build_figures, write_figures
 from crucible.study.runner import (
     adopt_results,
-    check_same_cpu,
-    cpu_model,
     keep_result,
     load_results,
     portable,
@@ -71,7 +69,7 @@ from crucible.study.spec import (
 )
 
 __all__ = ["StudyError", "FigureError", "load_spec", "completed_cells", "result_cells",
-           "result_path", "load_results", "keep_result", "adopt_results", "check_same_cpu",
-           "cpu_model", "portable", "slim_summary", "StudyData", "render_markdown", "render",
+           "result_path", "load_results", "keep_result", "adopt_results",
+           "portable", "slim_summary", "StudyData", "render_markdown", "render",
            "table_files", "build_figures", "write_figures", "noise_floor", "NOISE_FLOOR_Z",
            "CHROMIUM", "DEFAULT_SPEC"]

@@ -164,3 +164,75 @@ def runnable(spec: SweepSpec, cells: list[Cell], blocks: Mapping[int, Block], he
         elif cell.seed not in refused:
             refused[cell.seed] = refusal(spec, cell, block, here)
     return ok, refused
+
+
+def rerun(result: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """Train a committed result's `config` again in this process (one torch thread, as the
+    study's cells run) in `folder` (removed afterwards); returns the re-run's summary, its
+    corpus digest as `data_digest` and this process's arithmetic."""
+    import shutil
+
+    import torch
+
+    from crucible.arithmetic import arithmetic
+    from crucible.config import Config
+    from crucible.data import token_digest
+    from crucible.events import JsonlCallback
+    from crucible.store import LocalStore
+    from crucible.train import Trainer
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(Config.from_dict(dict(result["config"])),
+                          store=LocalStore(folder / "store"), run_key="rerun",
+                          callback=JsonlCallback(folder))
+        summary = trainer.run()
+        trainer.callback.close()
+        summary["data_digest"] = token_digest(trainer.data.train.numpy(), trainer.data.val.numpy())
+        summary["arithmetic"] = arithmetic()
+    finally:
+        torch.set_num_threads(before)
+        shutil.rmtree(folder, ignore_errors=True)
+    return summary
+
+
+def prove(spec: SweepSpec, cell_id: str, *, work_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Re-run the committed result `cell_id` of `spec` here and record whether it ended on the
+    same bits (`PROOFS_DIR/<cell>--<digest>.json`, written whole or not at all): proof that
+    this machine's arithmetic is the block's, or evidence that it is not. Raises StudyError for
+    a cell without a result, one already carrying a digest (its block's arithmetic is known), or
+    a corpus that is not the cell's (its re-run would prove nothing)."""
+    import uuid
+
+    from crucible.study.runner import load_results, machine_description
+    from crucible.summary import git_sha, write_json_atomic
+
+    results = load_results(spec)
+    if cell_id not in results:
+        raise StudyError(f"--cell {cell_id!r}: {spec.shown(spec.results_dir)} has no such result;"
+                         " choose a committed cell of the block, e.g. "
+                         f"{sorted(results)[0] if results else 'none-base-s0'}")
+    result = results[cell_id]
+    if digest_of(dict(result)) is not None:
+        raise StudyError(f"--cell {cell_id}: its result records its arithmetic "
+                         f"({digest_of(dict(result))}); only blocks made before the probe need a "
+                         "proof")
+    seed = int(result["config"]["seed"])
+    summary = rerun(result, work_dir / f"prove-{cell_id}-{uuid.uuid4().hex[:8]}")
+    if result.get("data_digest") and summary["data_digest"] != result["data_digest"]:
+        raise StudyError(f"--cell {cell_id}: this machine's corpus ({summary['data_digest']}) "
+                         f"is not the one the cell was trained on ({result['data_digest']}); "
+                         "`crucible corpus fetch` installs the default corpus")
+    digest = str(summary["arithmetic"]["digest"])
+    proof = {"cell": cell_id, "seed": seed, "arithmetic": digest,
+             "matches": summary["final_val_loss"] == result["final_val_loss"],
+             "committed_final_val_loss": result["final_val_loss"],
+             "rerun_final_val_loss": summary["final_val_loss"],
+             "committed_machine": (result.get("study") or {}).get("machine"),
+             "machine": machine_description(), "commit": git_sha(),
+             "wall_s": summary.get("wall_s"), "probe": summary["arithmetic"]}
+    path = proofs_dir(spec) / f"{cell_id}--{digest.removeprefix('sha256:')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, proof)
+    return path, proof

@@ -1,7 +1,7 @@
 """A study's results: `keep_result` keeps a finished run's summary as its cell's result file
 (the `failure-sweep` flow calls it for every cell it completes: `crucible study run` runs a
 study on that flow), `adopt_results` takes cells from identical runs of the spec's `reuse`
-specs, `check_same_cpu` refuses to mix CPU models, and `load_results` reads the committed
+specs, and `load_results` reads the committed
 results back, each checked against its cell (`check_result`).
 """
 from __future__ import annotations
@@ -60,60 +60,6 @@ def cpu_identity() -> dict[str, Any]:
     return {"vendor": info.get("vendor_id"), "family": number("cpu family"),
             "model": number("model"), "name": info.get("model name"),
             "kernels": torch.backends.cpu.get_cpu_capability()}
-
-
-def _identity_text(identity: Mapping[str, Any]) -> str:
-    return (f"{identity.get('name') or identity.get('vendor') or 'a CPU'} (family "
-            f"{identity.get('family')}, model {identity.get('model')}, "
-            f"{identity.get('kernels')} kernels)")
-
-
-def _signature(identity: Mapping[str, Any]) -> tuple:
-    return tuple(identity.get(k) for k in ("vendor", "family", "model", "kernels"))
-
-
-def cpu_model(description: str | None = None) -> str | None:
-    """The CPU model in a `machine_description()` (default: this machine's); None when it
-    names none (older results say only where they ran)."""
-    text = machine_description() if description is None else description
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) >= 3 and parts[1].endswith("CPUs"):
-        return ", ".join(parts[2:]) or None
-    return None
-
-
-def check_same_cpu(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]] | None = None, *,
-                   here: str | None = None, here_cpu: Mapping[str, Any] | None = None) -> None:
-    """Refuse (StudyError) to add runs made on this CPU model to results made on another.
-    Training is chaotic, and two CPUs' kernels round differently (an AMD EPYC's AVX2 paths
-    against an Intel Xeon's AVX-512 ones: the same cell of study-d128 ended 1.4% apart), so a
-    run here would be paired with a same-seed baseline that is not its twin and the paired
-    interval would mix two noise levels. A result that records its CPU (`study.cpu`, since
-    issue 24) is compared by vendor, family, model and kernel path (`cpu_identity`); an older
-    one by the model name in `study.machine`, which cannot tell CPUs apart that a virtual
-    machine names alike; one that names no CPU model is not compared."""
-    here = cpu_model() if here is None else here
-    here_cpu = cpu_identity() if here_cpu is None else here_cpu
-    if here is None:
-        return
-    results = load_results(spec) if results is None else results
-    recorded = [(r.get("study") or {}) for r in results.values()]
-    theirs = sorted({m for m in (cpu_model(str(st.get("machine", ""))) for st in recorded
-                                 if not isinstance(st.get("cpu"), Mapping)) if m})
-    others = [m for m in theirs if m != here]
-    others += sorted({_identity_text(st["cpu"]) for st in recorded
-                      if isinstance(st.get("cpu"), Mapping)
-                      and _signature(st["cpu"]) != _signature(here_cpu)})
-    if any(isinstance(st.get("cpu"), Mapping) for st in recorded):
-        here = _identity_text(here_cpu)
-    if others:
-        raise StudyError(
-            f"{spec.shown(spec.results_dir)} holds runs made on {', '.join(others)}; this "
-            f"machine is {here}. Runs of one study must come from one CPU model: training is "
-            "chaotic and two CPUs round differently (the same study-d128 cell ends 1.4% apart "
-            "on an AMD EPYC and an Intel Xeon), so a run here would not be paired with its "
-            "twin baseline. Continue on a machine with that CPU, or pass --allow-mixed-cpus "
-            "to mix them anyway (the document lists the machines)")
 
 
 def slim_summary(summary: dict[str, Any], limit: int = MAX_RESULT_BYTES
