@@ -1,12 +1,20 @@
-"""GPU slots: a per-host global concurrency limit, created on first use, never oversubscribed;
-a run measures the memory it may use only once it holds its slot."""
+"""GPU slots: a per-host global concurrency limit, created on first use, never oversubscribed,
+granted in arrival order, freed at once when its holder's process is killed; a run measures the
+memory it may use only once it holds its slot."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +24,15 @@ import crucible.memory
 import crucible.train
 import flows.run_flow
 from crucible.registry.reporting import ApiClient
-from flows.gpu import ensure_gpu_limit, gpu_limit_name, gpu_slot, local_device_count
+from flows.gpu import (
+    ensure_gpu_limit,
+    gpu_limit_name,
+    gpu_slot,
+    local_device_count,
+    release_dead_holders,
+    release_slots,
+    slot_holders,
+)
 from flows.run_flow import train_run
 
 pytestmark = pytest.mark.integration
@@ -133,3 +149,120 @@ def test_memory_other_programs_hold_for_now_is_waited_for_not_a_failure(
     assert state.is_completed(), state.message
     assert len(looks) == 2                      # refused once, then measured again and run
     assert flow_client.get_run(state.result()["run_id"])["status"] == "completed"
+
+
+# --- slots of dead holders, arrival order, one server's holders (issue 37) -------------------
+
+_HOLDER = """
+import sys, time
+from flows.gpu import gpu_slot
+with gpu_slot(sys.argv[1], run="victim", flow_run_id=sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _active(name: str) -> int:
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(name).active_slots
+
+
+@contextmanager
+def _holder_process(name: str, flow_run_id: str) -> Iterator[subprocess.Popen[str]]:
+    """A real process holding a slot of `name` for flow run `flow_run_id`, on this test's
+    Prefect server; yielded once it holds the slot."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name, flow_run_id], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_holders_slot_is_released_by_the_crash_hook(prefect_harness: None) -> None:
+    """The worker killed the run's process (SIGKILL) before the crash hook runs: the hook's
+    `release_slots` must release exactly that dead holder's slot, not skip it."""
+    name = "gpu:killed-holder-host"
+    ensure_gpu_limit(name, slots=1)
+    flow_run_id = str(uuid.uuid4())
+    with _holder_process(name, flow_run_id) as proc:
+        assert _active(name) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert release_slots([flow_run_id]) == 1
+    assert _active(name) == 0
+    assert slot_holders(name) == []
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_holders_slot_goes_to_the_next_waiter_without_a_hook(
+        prefect_harness: None) -> None:
+    """No hook ran (serve itself was killed): the next run on the host finds the holder dead
+    and takes its slot at once, well inside the 300 s lease."""
+    name = "gpu:killed-no-hook-host"
+    ensure_gpu_limit(name, slots=1)
+    with _holder_process(name, str(uuid.uuid4())) as proc:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with gpu_slot(name, timeout_s=60, run="next"):
+        assert [h["run"] for h in slot_holders(name)] == ["next"]
+        assert _active(name) == 1
+    assert _active(name) == 0
+
+
+@pytest.mark.timeout(240)
+def test_slots_are_granted_in_arrival_order(prefect_harness: None) -> None:
+    name = "gpu:fifo-host"
+    ensure_gpu_limit(name, slots=1)
+    queue = Path(os.environ["CRUCIBLE_GPU_SLOTS_DIR"]) / "queue"
+    granted: list[int] = []
+    lock = threading.Lock()
+
+    def tickets() -> int:
+        return sum(1 for p in queue.glob("*.json") if name in p.read_text())
+
+    def wait(index: int) -> None:
+        with gpu_slot(name, timeout_s=180, run=f"run-{index}"):
+            with lock:
+                granted.append(index)
+
+    threads = []
+    with gpu_slot(name, timeout_s=60, run="first"):
+        for index in range(4):
+            threads.append(threading.Thread(target=wait, args=(index,)))
+            threads[-1].start()
+            while tickets() < index + 1:      # this waiter queued before the next arrives
+                time.sleep(0.02)
+    for thread in threads:
+        thread.join(timeout=200)
+    assert granted == [0, 1, 2, 3]
+
+
+def test_held_by_names_only_this_servers_runs(prefect_harness: None) -> None:
+    """Another Prefect server's holder on the same host (another stack) is neither named nor
+    released, even when its process is gone."""
+    name = "gpu:shared-host"
+    ensure_gpu_limit(name, slots=2)
+    folder = Path(os.environ["CRUCIBLE_GPU_SLOTS_DIR"])
+    other = {"limit": name, "server": "http://127.0.0.1:1/api", "run": "theirs",
+             "flow_run_id": None, "lease_id": str(uuid.uuid4())}
+    live_other = folder / f"{other['lease_id']}.json"
+    live_other.write_text(json.dumps({**other, "pid": os.getpid()}))
+    dead_other = folder / f"{uuid.uuid4()}.json"
+    dead_other.write_text(json.dumps({**other, "pid": 2 ** 22 + 1}))   # no such process
+    try:
+        with gpu_slot(name, timeout_s=60, run="ours"):
+            assert [h["run"] for h in slot_holders(name)] == ["ours"]
+            assert release_dead_holders(name) == 0
+        assert live_other.exists() and dead_other.exists()
+    finally:
+        live_other.unlink()
+        dead_other.unlink()
