@@ -171,8 +171,13 @@ class TrainConfig:
     keep_checkpoints: int = 2       # newest checkpoints kept (2: one to fall back on)
     device: Device = "auto"
     dtype: DType = "fp32"
+    tail_average: float = 0.0       # share of the last outer steps whose global weights are
+                                    # averaged and scored once at the end (tail_val_loss); 0 = off
 
     def __post_init__(self) -> None:
+        _require(0 <= self.tail_average < 1,
+                 f"train.tail_average must be in [0, 1) (a share of the outer steps, e.g. 0.1; "
+                 f"0 turns it off), got {self.tail_average}")
         _positive(self, "train", "global_steps", "batch_size", "lr", "eval_every",
                   "eval_batch_size", "eps")
         _require(self.eval_tokens >= 0,
@@ -338,6 +343,7 @@ class Config:
 LATER_DEFAULTS: dict[str, Any] = {
     "faults.process": "independent", "faults.group": 2, "faults.wave": 0.5, "faults.notice": 0,
     "faults.down_times": "fixed", "faults.tail": 1.5, "faults.trace": None,
+    "train.tail_average": 0.0,
 }
 
 

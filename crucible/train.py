@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -106,6 +107,9 @@ class Trainer(Evaluation):
         self.next_step = 0
         self.last_eval_stderr: float | None = None             # of the latest evaluation
         self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
+        # train.tail_average: the global weights summed over the last outer steps (float64)
+        self.tail_sum: list[dict[str, torch.Tensor]] | None = None
+        self.tail_count = 0
 
     # -- what a trainer holding part of the run overrides ----------------------------------------
     def _data_view(self, data: TokenData) -> Any:
@@ -152,6 +156,7 @@ class Trainer(Evaluation):
         while not self._finished(budget):
             self.global_step(self.next_step)
             self.next_step += 1
+            self._add_to_tail()
             if on_step:
                 on_step(self.next_step, self._target_steps(budget))
             self._maybe_evaluate(budget)
@@ -163,6 +168,8 @@ class Trainer(Evaluation):
                                         tokens_budget=budget, global_steps=self.next_step,
                                         synced_params=self.sync.param_count())
         summary["eval_tokens"] = self.eval_tokens
+        if self.tail_count:
+            summary.update(self.tail_evaluation())
         if self.config.pipeline.compression == "mapl":
             summary["mapl_bases"] = self.basis_report()
         if self.S > 2 and self.config.faults.p == 0:
@@ -172,6 +179,51 @@ class Trainer(Evaluation):
             summary["alignment"] = alignment_report(self)
             summary.setdefault("timing", {})["alignment_s"] = summary["alignment"].pop("seconds")
         return summary
+
+    def tail_first_step(self) -> int:
+        """The first outer step (1-based, as `next_step` counts them) whose global weights the
+        tail average takes: the last ceil(tail_average x global_steps) of the planned steps
+        (drop_extend: and every step it adds)."""
+        share = self.config.train.tail_average
+        steps = self.config.train.global_steps
+        return steps - max(1, math.ceil(share * steps)) + 1 if share > 0 else steps + 1
+
+    @torch.no_grad()
+    def _add_to_tail(self) -> None:
+        """After an outer step: add the global weights (replica row 0 holds them) to the tail
+        sum, when the step is in the tail. Reads the weights only: training is unchanged."""
+        if self.config.train.tail_average == 0 or self.next_step < self.tail_first_step():
+            return
+        weights = [self.model.replica_weights(replica=0, stage=s) for s in range(self.S)]
+        if self.tail_sum is None:
+            self.tail_sum = [{n: w.double() for n, w in stage.items()} for stage in weights]
+        else:
+            for total, stage in zip(self.tail_sum, weights, strict=True):
+                for name, w in stage.items():
+                    total[name] += w.double()
+        self.tail_count += 1
+
+    @torch.no_grad()
+    def tail_evaluation(self) -> dict[str, Any]:
+        """The validation loss of the tail-averaged global weights (one evaluation, the model's
+        own weights put back afterwards): {tail_val_loss, tail_val_loss_stderr, tail_average:
+        {steps, from_step}}."""
+        assert self.tail_sum is not None and self.tail_count > 0
+        started = time.perf_counter()
+        own = [self.model.replica_weights(replica=0, stage=s) for s in range(self.S)]
+        row = torch.tensor([0], device=self.device)
+        for s, total in enumerate(self.tail_sum):
+            self.model.set_stage(s, {n: (t / self.tail_count).float() for n, t in total.items()},
+                                 replicas=row)
+        try:
+            losses = self.window_losses()
+        finally:
+            for s, weights in enumerate(own):
+                self.model.set_stage(s, weights, replicas=row)
+        self.counters.timing["eval_s"] += time.perf_counter() - started
+        return {"tail_val_loss": float(losses.mean()),
+                "tail_val_loss_stderr": standard_error(losses),
+                "tail_average": {"steps": self.tail_count, "from_step": self.tail_first_step()}}
 
     def _finished(self, budget: int) -> bool:
         if self.next_step < self.config.train.global_steps:
@@ -364,7 +416,8 @@ class Trainer(Evaluation):
                 "stiefel": {str(s): m.cpu() for s, m in self.stiefel_momentum.items()},
                 "sync": self.sync.state_dict(), "data": self.data.state_dict(),
                 "counters": self.counters.state_dict(), "plan": self.plan.to_list(),
-                "next_step": self.next_step}
+                "next_step": self.next_step,
+                "tail": {"sum": self.tail_sum, "count": self.tail_count}}
 
     def resume(self) -> int | None:
         """Load the newest good checkpoint of the run, if any; returns its global step. A newer
@@ -390,6 +443,8 @@ class Trainer(Evaluation):
         self.counters.load_state_dict(state["counters"])
         self.plan = FaultPlan.from_list(state["plan"])
         self.next_step = int(state["next_step"])
+        tail = state.get("tail") or {}          # checkpoints older than train.tail_average
+        self.tail_sum, self.tail_count = tail.get("sum"), int(tail.get("count") or 0)
 
 
 def _versions(device: torch.device) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cli.study import register
+from cli.study import here_arithmetic, register
 from crucible import stats, study
 from crucible.cells import Cell, GridKey, expand_cells
 from crucible.config import apply_overrides
@@ -71,7 +71,8 @@ def fake_summary(cell: Cell, loss: float, *, spec: SweepSpec = _STUDY,
             "initial_val_loss": 5.5, "tokens_budget": budget,
             "tokens_processed": budget if cell.key.p == 0 else int(budget * (1 - cell.key.p)),
             "replica_down_fraction": cell.key.p * 2, "wall_s": wall_s,
-            "versions": {"git_sha": sha}, "study": {"machine": "x86_64, 2 CPUs"}}
+            "versions": {"git_sha": sha},
+            "study": {"machine": "x86_64, 2 CPUs", "arithmetic": here_arithmetic()}}
 
 
 def fill(spec: SweepSpec, degradations: dict[str, list[float]], *, base: float = 2.0,
