@@ -11,6 +11,10 @@
 - `crucible deploy [--pool NAME [--image IMG] [--source PATH]] [--limit N]`: creates the
   `train-run` and `failure-sweep` deployments on the Prefect server in `PREFECT_API_URL` and
   serves them from this process, or registers them on a work pool.
+- `crucible reconcile [--stop] [--unrecorded] [--reason TEXT]`: marks the flow runs of this host
+  whose process is dead `Crashed` (with `--stop`: ends the live ones first, and marks them
+  `Cancelled`), running their flows' hooks, so Prefect and the registry say what happened
+  (`flows.processes`; `infra/stack.sh start` and `stop` run it).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any
 
 import typer
 
-__all__ = ["register", "sweep", "deploy"]
+__all__ = ["register", "sweep", "deploy", "reconcile"]
 
 _log = logging.getLogger(__name__)
 
@@ -255,7 +259,49 @@ def deploy(
     serve_deployments(limit=limit)
 
 
+def reconcile(
+    stop: bool = typer.Option(False, "--stop", help="end every live flow-run process of this "
+                                                    "host (its process group) first, and mark "
+                                                    "the flow runs Cancelled, not Crashed"),
+    unrecorded: bool = typer.Option(False, "--unrecorded", help="also end open flow runs with "
+                                                                "no process record: only while "
+                                                                "no runner serves this server"),
+    reason: str | None = typer.Option(None, "--reason", help="the reason recorded in Prefect "
+                                                             "and the registry"),
+    grace_s: float = typer.Option(30.0, "--grace-s", min=0, help="with --stop: seconds between "
+                                                                  "SIGTERM and SIGKILL"),
+) -> None:
+    """Mark the flow runs whose process on this host is gone Crashed (--stop: end the live ones
+    and mark them Cancelled) in Prefect and, through their hooks, in the registry."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        typer.echo("error: PREFECT_API_URL is not set; point it at the Prefect server whose flow "
+                   "runs to reconcile (eval \"$(infra/stack.sh env)\")", err=True)
+        raise typer.Exit(code=2)
+    from flows.processes import end_processes
+    from flows.processes import reconcile as reconcile_runs
+    from flows.settings import FlowSettings
+
+    work_dir = FlowSettings().work_dir
+    died = "its process died with no hook run (found by crucible reconcile)"
+    # what died before this command is Crashed, also with --stop: only what it ends is Cancelled
+    for name in reconcile_runs(work_dir, reason=died, unrecorded=unrecorded and not stop):
+        typer.echo(f"crashed: flow run {name} ({died})")
+    if not stop:
+        return
+    for record in end_processes(work_dir, grace_s=grace_s):
+        typer.echo(f"ended {record['flow']} flow run {record['flow_run_id']} "
+                   f"(pid {record['pid']})")
+    why = reason or "stopped with the stack (infra/stack.sh stop)"
+    for name in reconcile_runs(work_dir, cancelled=True, reason=why, unrecorded=unrecorded):
+        typer.echo(f"cancelled: flow run {name} ({why})")
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the `crucible` command line."""
     app.command("sweep")(sweep)
     app.command("deploy")(deploy)
+    app.command("reconcile")(reconcile)

@@ -5,7 +5,10 @@ Two ways to put them on a Prefect server (`PREFECT_API_URL`):
 
 - `serve_deployments()` (`crucible deploy`): creates the deployments and serves them from this
   process (`prefect.serve`): it polls for scheduled runs and runs each in a subprocess. One
-  command per GPU host; the `gpu:<hostname>` limit keeps each host within its devices.
+  command per GPU host; the `gpu:<hostname>` limit keeps each host within its devices. Serve
+  outlasts a Prefect outage of any length: Prefect's runner gives up after 3 failed polls
+  (`critical_service_loop`), so serve polls through `patient_service_loop` instead, which
+  logs each failed poll and backs off to at most `POLL_BACKOFF_MAX_S`.
 - `deploy_to_pool(pool)` (`crucible deploy --pool NAME`): registers the deployments on a work
   pool (a process pool, or a Kubernetes pool whose base job template requests GPUs, see
   `infra/k8s-gpu-base-job-template.json`); workers started with `prefect worker start --pool
@@ -15,9 +18,12 @@ Two ways to put them on a Prefect server (`PREFECT_API_URL`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import httpx
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 
@@ -28,7 +34,7 @@ from flows.run_flow import train_run
 from flows.sweep_flow import failure_sweep
 
 __all__ = ["DEPLOYMENTS", "build_deployments", "serve_deployments", "deploy_to_pool",
-           "REPO_ROOT"]
+           "REPO_ROOT", "patient_service_loop", "POLL_BACKOFF_MAX_S"]
 
 _log = logging.getLogger(__name__)
 
@@ -68,14 +74,63 @@ def build_deployments() -> list[RunnerDeployment]:
     return deployments
 
 
+# the longest wait between two polls of an unreachable Prefect API
+POLL_BACKOFF_MAX_S = 60.0
+
+
+async def patient_service_loop(workload: Callable[[], Awaitable[Any]], interval: float, *,
+                               run_once: bool = False, **_prefect_options: Any) -> None:
+    """Prefect's `critical_service_loop` for serve's poll, without its exit: call `workload`
+    every `interval` seconds; a poll that cannot reach the API (connection errors, timeouts,
+    5xx, after the client's own retries) is logged, one line per failed poll, and the next one
+    waits twice as long, up to `POLL_BACKOFF_MAX_S`, until the API answers again. Any other
+    error is raised (a bug, not an outage)."""
+    failures = 0
+    while True:
+        try:
+            await workload()
+        except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
+                raise
+            failures += 1
+            wait_s = min(interval * 2 ** min(failures - 1, 16), POLL_BACKOFF_MAX_S)
+            what = (f"HTTP {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError)
+                    else type(exc).__name__)
+            _log.warning("serve: Prefect API unreachable (failed poll %d: %s); polling again "
+                         "in %.0f s", failures, what, wait_s)
+        else:
+            if failures:
+                _log.info("serve: Prefect API reachable again after %d failed poll(s)",
+                          failures)
+            failures, wait_s = 0, interval
+        if run_once:
+            return
+        await anyio.sleep(wait_s)
+
+
+def _poll_patiently() -> None:
+    """Make this process's runner poll through `patient_service_loop` (the name Prefect's
+    poller module calls; refuse to serve if a Prefect upgrade moved it, rather than give up on
+    the first outage again)."""
+    from prefect.runner import _scheduled_run_poller
+
+    if not hasattr(_scheduled_run_poller, "critical_service_loop"):
+        raise RuntimeError("prefect.runner._scheduled_run_poller.critical_service_loop is gone "
+                           "(a Prefect upgrade): update flows.deploy._poll_patiently")
+    _scheduled_run_poller.critical_service_loop = patient_service_loop  # type: ignore[assignment]
+
+
 def serve_deployments(limit: int | None = None) -> None:
-    """Create the deployments on the configured Prefect server and serve them until stopped.
+    """Create the deployments on the configured Prefect server and serve them until stopped
+    (SIGTERM or SIGINT: serve cancels its flow runs, whose hooks record them cancelled),
+    through Prefect outages of any length.
 
     `limit` caps the flow runs this process runs at once (default: unlimited; GPU slots still
     bound the training runs).
     """
     from prefect import serve
 
+    _poll_patiently()
     deployments = build_deployments()
     _log.info("serving %s", ", ".join(f"{d.flow_name}/{d.name}" for d in deployments))
     serve(*deployments, limit=limit)

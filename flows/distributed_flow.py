@@ -36,6 +36,7 @@ from crucible.ids import validate_id
 from crucible.registry.reporting import ApiUnavailable, RecordsOwed
 from flows.errors import describe
 from flows.gpu import gpu_slot
+from flows.processes import flow_process
 from flows.registry import make_callback, make_client
 from flows.run_flow import (
     drain_spools,
@@ -168,10 +169,21 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
     if sweep_id is not None:
         validate_id(sweep_id, field="sweep_id")
     settings = FlowSettings()
-    planned = (parse_kills(kills or [], rejoin=True)
-               + parse_kills(kills_forever or [], rejoin=False))
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    with flow_process(settings.work_dir, flow_run_id, "distributed-run"):
+        return _distributed_run(settings, preset, overrides or [], nproc, kills or [],
+                                kills_forever or [], store_url, sweep_id, run_id, restarts,
+                                lease_s)
+
+
+def _distributed_run(settings: FlowSettings, preset: str, overrides: list[str], nproc: int,
+                     kills: list[str], kills_forever: list[str], store_url: str | None,
+                     sweep_id: str | None, run_id: str | None, restarts: int,
+                     lease_s: float) -> dict[str, Any]:
+    planned = (parse_kills(kills, rejoin=True)
+               + parse_kills(kills_forever, rejoin=False))
     check_recovery(restarts=restarts, lease_s=lease_s)
-    config = resolve_distributed_config(preset, overrides or [], nproc, planned,
+    config = resolve_distributed_config(preset, overrides, nproc, planned,
                                         store_url or settings.store_url,
                                         settings.s3_endpoint_url)
     drain_spools(settings)

@@ -54,9 +54,11 @@ from prefect.client.schemas.actions import (
 from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from flows.processes import prefect_server, process_alive, process_start
+
 __all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "set_gpu_limit", "gpu_slot",
-           "claim_device_index", "slot_holders", "release_slots", "release_dead_holders",
-           "prefect_server"]
+           "claim_device_index", "slot_holders", "release_slots", "release_dead_holders"]
+
 
 _log = logging.getLogger(__name__)
 
@@ -130,7 +132,7 @@ def gpu_slot(name: str | None = None, timeout_s: float | None = None, *,
     logger = log or _log
     ensure_gpu_limit(name)
     me = {"limit": name, "server": prefect_server(), "run": run, "flow_run_id": flow_run_id,
-          **_this_process()}
+          "pid": os.getpid(), "started": process_start(os.getpid())}
     lease_id = _wait_for_lease(name, me, timeout_s, logger)
     holder_file = _holder_dir() / f"{lease_id}.json"
     _write_record(holder_file, {**me, "lease_id": str(lease_id)})
@@ -143,21 +145,6 @@ def gpu_slot(name: str | None = None, timeout_s: float | None = None, *,
     finally:
         keeper.stop()
         _release(keeper.lease_id, keeper.holder_file)
-
-
-def prefect_server() -> str:
-    """The Prefect server this process talks to (its API URL; an ephemeral server by its
-    database): holders of one server's limit are told apart from another's by it."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_HOME,
-        PREFECT_SERVER_DATABASE_CONNECTION_URL,
-    )
-
-    url = PREFECT_API_URL.value()
-    if url:
-        return str(url).rstrip("/")
-    return f"ephemeral:{PREFECT_SERVER_DATABASE_CONNECTION_URL.value() or PREFECT_HOME.value()}"
 
 
 # Seconds between two looks at the queue or two requests for a slot; how long a renewal waits
@@ -195,8 +182,10 @@ def _wait_for_lease(name: str, me: dict[str, Any], timeout_s: float | None,
                     told = True
                     # none known: the holders' files are in another temp folder (a container)
                     holders = [h.get("run") or "?" for h in slot_holders(name)]
-                    logger.info("waiting for %s (held by %s)", name,
-                                ", ".join(holders) or "an unknown run")
+                    ahead = _ahead(queue, me, ticket)
+                    logger.info("waiting for %s (held by %s%s)", name,
+                                ", ".join(holders) or "an unknown run",
+                                f"; {ahead} waiting ahead" if ahead else "")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no slot of {name} within {timeout_s} s")
                 time.sleep(min(_POLL_S * 2 ** failures, _RETRY_MAX_S))
@@ -212,11 +201,19 @@ def _first_in_queue(queue: Path, me: dict[str, Any]) -> Path | None:
         if record is None or record.get("limit") != me["limit"] \
                 or record.get("server") != me["server"]:
             continue
-        if not _alive(record):
+        if not process_alive(record):
             path.unlink(missing_ok=True)
             continue
         return path
     return None
+
+
+def _ahead(queue: Path, me: dict[str, Any], ticket: Path) -> int:
+    """How many live waiters of the same limit and server arrived before `ticket`."""
+    return sum(1 for path in sorted(queue.glob("*.json")) if path.name < ticket.name
+               and (record := _read_record(path)) is not None
+               and record.get("limit") == me["limit"] and record.get("server") == me["server"]
+               and process_alive(record))
 
 
 def _try_lease(client: Any, name: str) -> UUID | None:
@@ -307,36 +304,6 @@ def _holder_dir() -> Path:
     return folder
 
 
-def _process_start(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when
-    there is no such process or no /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _this_process() -> dict[str, Any]:
-    return {"pid": os.getpid(), "started": _process_start(os.getpid())}
-
-
-def _alive(record: dict[str, Any]) -> bool:
-    """Whether the process a record names still runs: its pid exists and, where the record
-    knows it, started when the record says (a reused pid is another process)."""
-    pid = int(record.get("pid") or 0)
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's process: alive
-        pass
-    started = record.get("started")
-    return started is None or _process_start(pid) in (None, started)
-
-
 def _write_record(path: Path, record: dict[str, Any]) -> None:
     """Write a holder or ticket file whole (temporary file, then rename): a reader never sees
     half of one."""
@@ -369,7 +336,7 @@ def slot_holders(name: str | None = None) -> list[dict[str, Any]]:
     """The live holders of limit `name` (default `gpu:<hostname>`) of this Prefect server on
     this host: records with lease_id, flow_run_id, run, pid and server."""
     name = name or gpu_limit_name()
-    return [record for _path, record in _holder_files(name) if _alive(record)]
+    return [record for _path, record in _holder_files(name) if process_alive(record)]
 
 
 def release_slots(flow_run_ids: Iterable[str]) -> int:
@@ -391,7 +358,7 @@ def release_dead_holders(name: str | None = None) -> int:
     killed where no hook ran; returns how many."""
     released = 0
     for path, record in list(_holder_files(name)):
-        if not _alive(record):
+        if not process_alive(record):
             _log.info("releasing %s held by dead process %s (run %s)", record.get("limit"),
                       record.get("pid"), record.get("run"))
             _release(UUID(record["lease_id"]), path)

@@ -31,6 +31,7 @@ the steps replayed since the checkpoint are stored once.
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ from crucible.registry.reporting import (
 from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
 from flows.gpu import gpu_slot, release_slots
 from flows.identity import code_version, config_fingerprint
+from flows.processes import flow_process, run_folder_lock
 from flows.registry import make_callback, make_client, run_page
 from flows.settings import FlowSettings
 
@@ -201,8 +203,7 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
     Always asks the trainer to resume: it continues from the run folder's last checkpoint when
     there is one (a retried attempt, a re-run flow) and starts afresh otherwise.
     """
-    from crucible.preflight import check_can_start, check_memory
-    from crucible.train import train  # torch-heavy: only where training happens
+    from crucible.preflight import check_can_start
 
     logger = get_run_logger()
     if settings.torch_threads is not None:
@@ -213,9 +214,37 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
     # memory only in the slot, where no run ahead of it in the queue still trains
     check_can_start(config, out_dir=out_dir, out_field="CRUCIBLE_WORK_DIR run folder",
                     memory_check=False)
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    # one process trains a run folder at a time: an orphan of an earlier flow run (its server
+    # stopped or killed) may still train this cell; wait for it, then take what it wrote
+    with run_folder_lock(out_dir, logger):
+        done = _finished_summary(out_dir, run_id)
+        if done is not None:
+            logger.info("run %s was trained to its end by another process: its summary is "
+                        "kept, nothing is trained again", run_id)
+            return done
+        return _train_in_slot(config, run_id, out_dir, settings, crash_after_global_steps,
+                              flow_run_id, logger)
+
+
+def _finished_summary(out_dir: Path, run_id: str) -> dict[str, Any] | None:
+    """The summary a finished training of this run left in its folder, else None."""
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("run_key") == f"run-{run_id}" \
+        else None
+
+
+def _train_in_slot(config: Config, run_id: str, out_dir: Path, settings: FlowSettings,
+                   crash_after_global_steps: int | None, flow_run_id: str | None,
+                   logger: Any) -> dict[str, Any]:
+    from crucible.preflight import check_memory
+    from crucible.train import train  # torch-heavy: only where training happens
+
     callback = _AttemptCallback(make_callback(settings, run_id), crash_after_global_steps,
                                 out_dir / _CRASH_MARKER)
-    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     try:
         with gpu_slot(run=run_id, flow_run_id=flow_run_id, log=logger) as slot:
             with make_client(settings) as client:
@@ -319,7 +348,16 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
     if sweep_id is not None:
         validate_id(sweep_id, field="sweep_id")
     settings = FlowSettings()
-    config = resolve_config(preset, overrides or [], store_url or settings.store_url,
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    with flow_process(settings.work_dir, flow_run_id, "train-run"):
+        return _train_run(settings, preset, overrides or [], sweep_id, run_id, store_url,
+                          crash_after_global_steps)
+
+
+def _train_run(settings: FlowSettings, preset: str, overrides: list[str], sweep_id: str | None,
+               run_id: str | None, store_url: str | None,
+               crash_after_global_steps: int | None) -> dict[str, Any]:
+    config = resolve_config(preset, overrides, store_url or settings.store_url,
                             settings.s3_endpoint_url)
     drain_spools(settings)
     run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")

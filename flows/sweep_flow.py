@@ -59,6 +59,7 @@ from crucible.spec import ANNOTATIONS, SweepSpec, identity_of
 from crucible.stats import claim_rows, robustness, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint
+from flows.processes import end_prefect_flow_runs, flow_process
 from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
@@ -316,9 +317,12 @@ def _end_sweep(flow_run: Any, state: Any, *, status: str, lead: str, cells: bool
         if sweep.get("status") not in FINAL_STATUSES:
             client.update_sweep(str(sweep["id"]), status=status)
     if cells:
-        flow_runs = [str(flow_run.id)] + [str(r["prefect_flow_run_id"]) for r in runs
-                                          if r.get("prefect_flow_run_id")]
-        end_flow_runs(settings, flow_runs, runs, status, reason)
+        cell_flow_runs = [str(r["prefect_flow_run_id"]) for r in runs
+                          if r.get("prefect_flow_run_id")]
+        end_flow_runs(settings, [str(flow_run.id), *cell_flow_runs], runs, status, reason)
+        # the cells' flow runs ran in the sweep's process (or its deployment runs were
+        # orphaned): nobody else ends them in Prefect
+        end_prefect_flow_runs(cell_flow_runs, cancelled=status == "cancelled", reason=reason)
 
 
 def _on_cancelled(flow: Any, flow_run: Any, state: Any) -> None:
@@ -350,8 +354,14 @@ def failure_sweep(spec: SweepSpec = SweepSpec()) -> dict[str, Any]:  # noqa: B00
     `<results_dir>/<cell id>.json` exists are not run, and every cell whose run completes (or
     had completed) gets its slim summary written there (`crucible.study.runner.keep_result`).
     """
-    logger = get_run_logger()
     settings = FlowSettings()
+    flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
+    with flow_process(settings.work_dir, flow_run_id, "failure-sweep"):
+        return _sweep(spec, settings)
+
+
+def _sweep(spec: SweepSpec, settings: FlowSettings) -> dict[str, Any]:
+    logger = get_run_logger()
     planned = _plan(spec, settings, spec.runs_now())
     in_results = len(planned)
     planned = [item for item in planned if not has_result(spec, item.cell)]

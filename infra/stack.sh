@@ -5,7 +5,8 @@
 #
 #   infra/stack.sh start     start everything (idempotent), print the URLs
 #   infra/stack.sh status    what runs, with pids
-#   infra/stack.sh stop      stop everything this script started
+#   infra/stack.sh stop      stop everything this script started: serve (SIGTERM) and every flow
+#                            run of the stack (process groups; Cancelled, registry `cancelled`)
 #   infra/stack.sh env       print the exports a shell needs to talk to the stack
 #
 # Settings (environment): STACK_DIR (default .crucible/stack), PG_PORT (55432), PREFECT_PORT
@@ -131,6 +132,7 @@ export CRUCIBLE_API_URL=http://127.0.0.1:$API_PORT
 export CRUCIBLE_API_TOKEN=$(token)
 export CRUCIBLE_DATABASE_URL=$(pg_url psycopg crucible)
 export CRUCIBLE_WORK_DIR=$STACK_DIR/work
+export CRUCIBLE_PREFECT_UI_URL=http://127.0.0.1:$PREFECT_PORT
 EOT
 }
 
@@ -159,10 +161,16 @@ PY
   done
 }
 
-start_bg() {  # start_bg NAME CMD...: run in the background, remember the pid, log to LOGS/NAME.log
+start_marker() {  # start_marker NAME: a line in LOGS/NAME.log before each (re)start
+  echo "==== $(date -u +%Y-%m-%dT%H:%M:%SZ) infra/stack.sh starts $1 ====" >>"$LOGS/$1.log"
+}
+
+start_bg() {  # start_bg NAME CMD...: run in the background, remember the pid, append to LOGS/NAME.log
   local name="$1"; shift
   if running "$name"; then return 0; fi
-  nohup "$@" >"$LOGS/$name.log" 2>&1 &
+  start_marker "$name"                            # appended: an earlier crash stays readable
+  # its own session and process group: `stop` signals it and what it started, not this shell
+  setsid nohup "$@" >>"$LOGS/$name.log" 2>&1 &
   echo $! >"$STACK_DIR/$name.pid"
 }
 
@@ -178,10 +186,22 @@ start() {
   PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" \
     start_bg prefect-server "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT"
   CRUCIBLE_DATABASE_URL="$(pg_url psycopg crucible)" CRUCIBLE_API_TOKEN="$(token)" \
+  CRUCIBLE_PREFECT_UI_URL="http://127.0.0.1:$PREFECT_PORT" \
     start_bg crucible-api "$BIN/crucible" api --host 127.0.0.1 --port "$API_PORT" --migrate
   wait_http "http://127.0.0.1:$PREFECT_PORT/api/health" prefect-server
   wait_http "http://127.0.0.1:$API_PORT/readyz" crucible-api
+  if ! running serve; then
+    # flow runs whose process died with no hook (serve or the sweep killed, the host
+    # rebooted) are marked Crashed, in Prefect and the registry; live ones are left alone
+    (eval "$(env_exports)"; cd "$ROOT"; PREFECT_HOME="$STACK_DIR/prefect-home" \
+      "$BIN/crucible" reconcile --unrecorded >>"$LOGS/reconcile.log" 2>&1) \
+      || echo "warning: crucible reconcile failed; see $LOGS/reconcile.log" >&2
+  fi
+  # serve and its flow runs outlast a Prefect or database outage: every client call retries
+  # for about 17 minutes (2 + 4 + ... + 512 s; 500 too, what Prefect answers while its
+  # database is refused), and serve's poll loop never gives up (flows.deploy)
   (eval "$(env_exports)"; cd "$ROOT"; PREFECT_HOME="$STACK_DIR/prefect-home" \
+    PREFECT_CLIENT_MAX_RETRIES=9 PREFECT_CLIENT_RETRY_EXTRA_CODES=500 \
     start_bg serve "$BIN/crucible" deploy)
   echo "Prefect UI:     http://127.0.0.1:$PREFECT_PORT  (Deployments -> failure-sweep -> Run)"
   echo "Crucible API:   http://127.0.0.1:$API_PORT/docs"
@@ -189,19 +209,34 @@ start() {
   echo "shell set-up:   eval \"\$(infra/stack.sh env)\""
 }
 
-stop() {
-  local name
-  for name in serve crucible-api prefect-server; do
-    if running "$name"; then
-      local pid i
-      pid="$(cat "$STACK_DIR/$name.pid")"
-      kill -INT "$pid" 2>/dev/null || true        # serve and uvicorn shut down cleanly on SIGINT
-      for i in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-      kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
+stop_one() {  # stop_one NAME SIGNAL SECONDS: signal it, SIGKILL it after SECONDS
+  local name="$1" sig="$2" seconds="$3" pid i
+  if running "$name"; then
+    pid="$(cat "$STACK_DIR/$name.pid")"
+    kill "-$sig" "$pid" 2>/dev/null || true
+    for i in $(seq 1 $((seconds * 4))); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -KILL "$pid" 2>/dev/null; echo "killed $name (no exit $seconds s after SIG$sig)"
+    else
       echo "stopped $name"
     fi
-    rm -f "$STACK_DIR/$name.pid"
-  done
+  fi
+  rm -f "$STACK_DIR/$name.pid"
+}
+
+stop() {
+  # serve: SIGTERM (started from a non-interactive shell, it ignores SIGINT); it cancels its
+  # flow runs (their hooks record them cancelled), giving each 30 s to exit
+  stop_one serve TERM 75
+  if running prefect-server && running crucible-api; then
+    # what serve did not end (orphans of an earlier serve, a run that did not exit): their
+    # process groups, then Cancelled in Prefect and `cancelled` in the registry
+    (eval "$(env_exports)"; cd "$ROOT"; PREFECT_HOME="$STACK_DIR/prefect-home" \
+      "$BIN/crucible" reconcile --stop --unrecorded 2>>"$LOGS/reconcile.log") \
+      || echo "warning: crucible reconcile --stop failed; see $LOGS/reconcile.log" >&2
+  fi
+  stop_one crucible-api INT 10                    # uvicorn shuts down cleanly on SIGINT
+  stop_one prefect-server INT 10
   if postgres_running; then
     as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" -m fast -w stop >/dev/null && echo "stopped postgres"
   fi
