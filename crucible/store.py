@@ -45,12 +45,13 @@ import os
 import random
 import re
 import stat
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 from urllib.parse import unquote, urlparse
+
+from crucible.runfiles import write_bytes_atomic, write_bytes_if_absent, write_temp
 
 __all__ = ["Store", "StoreError", "TransientStoreError", "KeyNotFound", "ObjectTooLarge",
            "InvalidObject", "LocalStore", "S3Store", "open_store", "parse_store_url", "validate_key"]
@@ -137,8 +138,9 @@ def _validate_prefix(prefix: str) -> str:
 
 
 class LocalStore:
-    """A directory as an object store. Writes are atomic (temp file in the same directory, fsync,
-    `os.replace`), so a reader never sees half an object."""
+    """A directory as an object store. Writes are atomic (`crucible.runfiles`: temp file in the
+    same directory, fsync, rename, folder fsync; no fsync with `durable=False`), so a reader
+    never sees half an object."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
@@ -151,43 +153,21 @@ class LocalStore:
         return self.root.joinpath(*validate_key(key).split("/"))
 
     def _write_temp(self, path: Path, data: bytes, *, durable: bool = True) -> str:
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-        except FileNotFoundError:  # first object under this prefix
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                if durable:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        return tmp
+        """A temporary `.tmp-*` file holding `data` beside `path`: what a writer killed
+        before its rename leaves (`remove_temporaries`); the test fault injection in
+        `crucible.distributed.worker` stops an upload here."""
+        return str(write_temp(path, data, durable=durable, temp_prefix=_TMP_PREFIX))
 
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        path = self._path(key)
-        tmp = self._write_temp(path, bytes(data), durable=durable)
         try:
-            os.replace(tmp, path)
+            write_bytes_atomic(self._path(key), data, durable=durable, temp_prefix=_TMP_PREFIX)
         except IsADirectoryError:  # nothing this class writes; someone else's, not ours to remove
-            os.unlink(tmp)
             raise StoreError(f"cannot write object {key!r} in {self!r}: a directory is in its "
                              "place (not written by crucible; remove it)") from None
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create `key` only if it does not exist (atomically, via a hard link); True if written."""
-        path = self._path(key)
-        tmp = self._write_temp(path, bytes(data))
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        return write_bytes_if_absent(self._path(key), data, temp_prefix=_TMP_PREFIX)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The object's bytes. Raises KeyNotFound, InvalidObject (not a regular file) or

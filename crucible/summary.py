@@ -1,19 +1,17 @@
 """Run accounting (tokens, inner steps, contributions, bytes, faults) and `summary.json`."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crucible.config import Config
 from crucible.events import Callback, Event
+from crucible.runfiles import git_sha as _git_sha
+from crucible.runfiles import write_bytes_atomic, write_json_atomic
 
 # torch (and the modules that need it) load with the first RunCounters call, not with this module:
-# the file helpers below are used by the CLI, the study and the flows, which must not pull torch in
+# `git_sha` and the file helpers (re-exported from crucible.runfiles) are used by the CLI, the
+# study and the flows, which must not pull torch in
 if TYPE_CHECKING:
     import torch
 
@@ -24,36 +22,10 @@ if TYPE_CHECKING:
 __all__ = ["RunCounters", "write_bytes_atomic", "write_json_atomic", "git_sha"]
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to a temporary file beside `path`, fsync, then rename over it: a reader
-    sees the old file or the whole new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """`write_bytes_atomic` of `data` as indented, key-sorted, newline-terminated JSON."""
-    write_bytes_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-
-
 def git_sha() -> str:
-    """The commit of the crucible checkout, or 'unknown' outside a git checkout."""
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    """The commit of the crucible checkout (`crucible.runfiles.git_sha`), or 'unknown' outside
+    a git checkout: what `summary.json` records."""
+    return _git_sha() or "unknown"
 
 
 @dataclass

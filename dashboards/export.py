@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import crud
+from crucible.runfiles import write_text_atomic
 from dashboards import pages, queries
 from dashboards.pages._common import banner, document, esc
 from db.session import make_engine, make_session_factory
@@ -142,21 +142,6 @@ def render_report(session: Session, sweep_ref: uuid.UUID | str) -> str:
     return document(f"Crucible sweep {sweep.name} (report)", body, pages.inline_plotly_tag())
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(sweep_ref: uuid.UUID | str, out_path: str | os.PathLike[str], *,
                  session: Session | None = None, database_url: str | None = None) -> Path:
     """Write the offline report of `sweep_ref` (a sweep's id or exact name) to `out_path`;
@@ -179,6 +164,6 @@ def write_report(sweep_ref: uuid.UUID | str, out_path: str | os.PathLike[str], *
                 text = render_report(own_session, sweep_ref)
         finally:
             engine.dispose()
-    _write_atomic(path, text)
+    write_text_atomic(path, text)
     _log.info("wrote sweep report %s (%.1f MB)", path, len(text.encode()) / 1e6)
     return path

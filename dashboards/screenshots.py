@@ -13,7 +13,6 @@ atomically (temporary file, then rename). Nothing here runs in tests: it is a do
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import threading
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from crucible.runfiles import write_bytes_atomic
 
 __all__ = ["take", "main"]
 
@@ -93,9 +94,7 @@ def _pick(database_url: str, sweep_ref: str | None) -> tuple[str, str, list[str]
 def _shoot(page: Any, url: str, path: Path) -> None:
     page.goto(url, wait_until="load")
     page.wait_for_timeout(1500)   # let Plotly finish its layout
-    tmp = path.with_name(f".tmp-{path.name}")   # keeps .png: Playwright picks the format by it
-    page.screenshot(path=str(tmp), full_page=True)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, page.screenshot(full_page=True, type="png"))
     print(f"wrote {path}")
 
 

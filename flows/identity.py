@@ -6,18 +6,14 @@ does not change the numbers, and a re-run may point at another bucket.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import subprocess
-from pathlib import Path
 
 import crucible
 from crucible.config import Config
+from crucible.runfiles import git_sha
 
-__all__ = ["config_fingerprint", "code_version", "git_sha"]
-
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["config_fingerprint", "code_version"]
 
 
 def config_fingerprint(config: Config) -> str:
@@ -38,19 +34,7 @@ def config_fingerprint(config: Config) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-@functools.cache
-def git_sha() -> str | None:
-    """The checkout's commit, or None outside a git checkout (an installed wheel, a container)."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO_ROOT,
-                                capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = result.stdout.strip()
-    return sha if result.returncode == 0 and sha else None
-
-
 def code_version() -> str:
-    """`crucible.__version__`, plus `+g<sha>` when the git commit is known."""
+    """`crucible.__version__`, plus `+g<sha>` (12 hex digits) when the git commit is known."""
     sha = git_sha()
-    return f"{crucible.__version__}+g{sha}" if sha else crucible.__version__
+    return f"{crucible.__version__}+g{sha[:12]}" if sha else crucible.__version__

@@ -47,21 +47,22 @@ from crucible.distributed.liveness import (
     check_recovery,
     read_beat,
 )
-from crucible.distributed.worker import (
-    append_record,
-    check_distributed,
-    count_lives,
-    died_in,
-    read_records,
-    repair_torn_line,
-)
+from crucible.distributed.worker import check_distributed, count_lives, died_in
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key
 from crucible.manifest import InvalidManifest, Manifest
 from crucible.model_file import MODEL_FILE
+from crucible.runfiles import (
+    append_jsonl,
+    atomic_file,
+    read_jsonl,
+    repair_torn_tail,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from crucible.store import KeyNotFound, Store, open_store
-from crucible.summary import RunCounters, write_bytes_atomic, write_json_atomic
+from crucible.summary import RunCounters
 
 __all__ = ["Kill", "launch", "agent_command", "check_kills", "check_recovery", "lives_of",
            "merge", "DEFAULT_RESTARTS", "DEFAULT_LEASE_S"]
@@ -187,13 +188,13 @@ def _supervise(out: Path, agents: dict[int, subprocess.Popen[bytes]], lives: lis
             if r in codes or (code := agent.poll()) is None:
                 continue
             folder = out / "replicas" / f"replica-{r}"
-            left = lives[r] - count_lives(read_records(folder / "process.jsonl"))
+            left = lives[r] - count_lives(read_jsonl(folder / "process.jsonl"))
             if code < 0 and not (folder / "summary.json").exists() and left > 0:
                 _kill_orphan(out, r)
                 log.warning("the agent of replica %d died (signal %d); starting a new one "
                             "(%d lives left)", r, -code, left)
-                repair_torn_line(folder / "process.jsonl")
-                append_record(folder / "process.jsonl", {
+                repair_torn_tail(folder / "process.jsonl")
+                append_jsonl(folder / "process.jsonl", {
                     "kind": "agent_lost", "replica": r, "signal": -code, "wall": time.time(),
                     "global_step": -1})
                 agents[r] = _start_agent(out, r, max_restarts=left - 1, gpus=gpus)
@@ -255,10 +256,6 @@ def _stop(agents: list[subprocess.Popen[bytes]], *, grace_s: float = 60.0) -> No
             agent.wait()
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return read_records(path)
-
-
 def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode("utf-8")
 
@@ -287,11 +284,11 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
     events, metrics, process, rounds = [], [], [], {}
     for r in range(R):
         folder = out / "replicas" / f"replica-{r}"
-        events += _read_jsonl(folder / "events.jsonl")
-        metrics += [m for m in _read_jsonl(folder / "metrics.jsonl")
+        events += read_jsonl(folder / "events.jsonl")
+        metrics += [m for m in read_jsonl(folder / "metrics.jsonl")
                     if m.get("name") != "val_loss" or r == first]
-        process += _read_jsonl(folder / "process.jsonl")
-        rounds[r] = {x["global_step"]: x for x in _read_jsonl(folder / "rounds.jsonl")}
+        process += read_jsonl(folder / "process.jsonl")
+        rounds[r] = {x["global_step"]: x for x in read_jsonl(folder / "rounds.jsonl")}
     process += _unrecorded_deaths(out, store, ident["run_key"], R, parts, process)
     # every process reports a `manifest_rejected` it passed over: one event per id
     events = list({e["id"]: e for e in _with_missing_events(events, agreed)}.values())
@@ -334,9 +331,9 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
     write_bytes_atomic(out / "events.jsonl", _jsonl_bytes(events))
     write_bytes_atomic(out / "metrics.jsonl", _jsonl_bytes(metrics))
     write_bytes_atomic(out / "process.jsonl", _jsonl_bytes(process))
-    tmp = out / f".{MODEL_FILE}.merge"
-    shutil.copyfile(out / "replicas" / f"replica-{first}" / MODEL_FILE, tmp)
-    os.replace(tmp, out / MODEL_FILE)
+    with atomic_file(out / MODEL_FILE) as merged, \
+            open(out / "replicas" / f"replica-{first}" / MODEL_FILE, "rb") as lead_model:
+        shutil.copyfileobj(lead_model, merged)
     write_json_atomic(out / "summary.json", summary)
     return summary
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from crucible.distributed.worker import read_records
+from crucible.runfiles import read_jsonl
 
 __all__ = ["pid_of", "worker_pids", "kill", "wait_for", "wait_for_rounds", "rounds_of",
            "holding_upload"]
@@ -71,7 +71,7 @@ def kill(run_dir: Path, *, replica: int, what: str = "worker") -> float:
 
 
 def rounds_of(run_dir: Path, *, replica: int) -> list[dict]:
-    return read_records(Path(run_dir) / "replicas" / f"replica-{replica}" / "rounds.jsonl")
+    return read_jsonl(Path(run_dir) / "replicas" / f"replica-{replica}" / "rounds.jsonl")
 
 
 def wait_for(check: Callable[[], bool], *, timeout_s: float, what: str,

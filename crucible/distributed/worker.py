@@ -61,15 +61,14 @@ from crucible.distributed.sync import ReplicaSync
 from crucible.events import JsonlCallback
 from crucible.faults import FaultPlan
 from crucible.model_file import MODEL_FILE, save_global_weights
+from crucible.runfiles import append_jsonl, read_jsonl, repair_torn_tail, write_json_atomic
 from crucible.store import LocalStore, Store, open_store
 from crucible.strategy import StepPlan
-from crucible.summary import write_json_atomic
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
-__all__ = ["ReplicaTrainer", "append_record", "check_distributed", "clip_as_batched",
-           "count_lives", "died_in", "main", "read_records", "repair_torn_line",
-           "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
+__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "count_lives", "died_in",
+           "main", "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
@@ -229,7 +228,7 @@ class ReplicaTrainer(Trainer):
         self.contributed = self.contributed or made
         tokens = self._tokens_per_replica()
         crossings = int(step.crossings()[0]) * tokens
-        append_record(Path(self.callback.out_dir) / "rounds.jsonl", {
+        append_jsonl(Path(self.callback.out_dir) / "rounds.jsonl", {
             "global_step": g, "replica": self.replica,
             "tokens": tokens * int(step.loss_weight[0] > 0),
             "inner_steps": (step.active[0].long() * self.H).tolist(),
@@ -277,27 +276,10 @@ def _restart_count() -> int:
 
 def _record(callback: JsonlCallback, kind: str, g: int, replica: int, *,
             wall: float | None = None, **extra: Any) -> None:
-    append_record(Path(callback.out_dir) / "process.jsonl", {
+    append_jsonl(Path(callback.out_dir) / "process.jsonl", {
         "kind": kind, "global_step": g, "replica": replica,
         "wall": time.time() if wall is None else wall, "restart": _restart_count(),
         "life": _life_of(Path(callback.out_dir)), **extra})
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of `path` ([] if absent). A last line a SIGKILL cut short is passed over
-    (with a warning); a bad line before the last is an error."""
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise ValueError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
-            log.warning("%s: passing over a torn last line (a process died writing it)", path)
-    return out
 
 
 _LIVES: dict[Path, int] = {}
@@ -315,7 +297,7 @@ def count_lives(records: list[dict[str, Any]]) -> int:
 
 def _begin_life(out: Path) -> int:
     """Count the earlier lives of this replica and remember it as this process's life."""
-    life = count_lives(read_records(out / "process.jsonl"))
+    life = count_lives(read_jsonl(out / "process.jsonl"))
     _LIVES[Path(out)] = life
     return life
 
@@ -323,46 +305,24 @@ def _begin_life(out: Path) -> int:
 def died_in(out: Path) -> int:
     """The global step the last life was in when it died: after its last round record, not
     before a round it was to train from (`caught_up`) or was killed at (`kill`)."""
-    steps = [r["global_step"] + 1 for r in read_records(out / "rounds.jsonl")]
-    steps += [r["global_step"] for r in read_records(out / "process.jsonl")
+    steps = [r["global_step"] + 1 for r in read_jsonl(out / "rounds.jsonl")]
+    steps += [r["global_step"] for r in read_jsonl(out / "process.jsonl")
               if r.get("kind") in ("caught_up", "kill")]
     return max(steps, default=0)
 
 
 def _explained(out: Path, life: int) -> dict[str, Any] | None:
     """The planned `kill` record that ended life `life`, if one did."""
-    return next((r for r in read_records(out / "process.jsonl")
+    return next((r for r in read_jsonl(out / "process.jsonl")
                  if r.get("kind") == "kill" and r.get("planned", True)
                  and r.get("life", 0) == life), None)
-
-
-def repair_torn_line(path: Path) -> None:
-    """Cut a last line a SIGKILL left unfinished (atomically), so that the next record starts
-    a line of its own instead of joining the torn one."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return
-    if data and not data.endswith(b"\n"):
-        log.warning("%s: cutting a torn last line (a process died writing it)", path)
-        tmp = path.with_name(f".{path.name}.repair")
-        tmp.write_bytes(data[:data.rfind(b"\n") + 1])
-        os.replace(tmp, path)
-
-
-def append_record(path: Path, line: dict[str, Any]) -> None:
-    """One JSON line, durable before the call returns (a SIGKILL may follow)."""
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(line) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _fired(out_dir: Path, g: int) -> bool:
     """Whether the planned kill at global step `g` has happened (an unplanned death recorded
     at the same step is not it)."""
     return any(r.get("kind") == "kill" and r["global_step"] == g and r.get("planned", True)
-               for r in read_records(Path(out_dir) / "process.jsonl"))
+               for r in read_jsonl(Path(out_dir) / "process.jsonl"))
 
 
 def _device() -> torch.device:
@@ -405,8 +365,8 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     lives = ident.get("lives") or [1] * config.replicas
     lease_s = float(ident.get("lease_s") or 0.0)
     device = _device()
-    repair_torn_line(out / "process.jsonl")
-    repair_torn_line(out / "rounds.jsonl")
+    repair_torn_tail(out / "process.jsonl")
+    repair_torn_tail(out / "rounds.jsonl")
     life = _begin_life(out)
     if (out / "summary.json").exists():   # an earlier life finished and died on its way out
         log.info("replica %d already finished (an earlier life wrote its summary)", replica)
@@ -415,8 +375,8 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     if life >= lives[replica]:            # a restart nobody budgeted (a pod started anew)
         log.warning("replica %d has had its %d lives; not starting another", replica,
                     lives[replica])
-        append_record(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
-                                        "replica": replica, "wall": time.time(), "life": life})
+        append_jsonl(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
+                                             "replica": replica, "wall": time.time(), "life": life})
         callback.close()
         return None
     dead_round = None
@@ -431,7 +391,7 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
             return None
         if ended is None and not any(   # unplanned, and not recorded by a life that died since
                 r.get("kind") == "kill" and r.get("dead_life") == life - 1
-                for r in read_records(out / "process.jsonl")):
+                for r in read_jsonl(out / "process.jsonl")):
             beat = read_beat(store, run_key, replica)
             last = beat["wall"] if beat is not None and beat["life"] == life - 1 else None
             _record(callback, "kill", dead_round, replica, planned=False, wall=last,

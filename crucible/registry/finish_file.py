@@ -16,7 +16,6 @@ line is at worst applied twice (harmless: the same final state).
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 from typing import IO, Any
@@ -26,13 +25,13 @@ from crucible.registry.spool import (
     run_state,
 )
 from crucible.registry.spool_files import (
-    append_line,
     is_current,
     lock_fd,
     open_in_run_folder,
     remove_if_empty,
     run_folder_lock,
 )
+from crucible.runfiles import append_jsonl, append_line, replace
 
 __all__ = ["FINISH", "append", "last_line", "outcome", "refuse", "retire", "restore_leftover"]
 
@@ -48,7 +47,7 @@ def append(run_dir: Path, changes: dict[str, Any]) -> str:
     path = run_dir / FINISH
     while True:
         with open_in_run_folder(path, "ab") as fh:
-            append_line(fh, line)
+            append_jsonl(fh, line)
             if is_current(fh.fileno(), path):
                 return line["id"]
         # retired or set aside while it was written: write it again, to the fresh file
@@ -106,8 +105,8 @@ def refuse(run_dir: Path, line: dict[str, Any], error: ApiError) -> Path:
     """Keep a final state the API refused, with its answer; returns where."""
     path = run_dir / _REFUSED
     with open(path, "ab") as fh:
-        append_line(fh, {**line, "error": {"status_code": error.status_code,
-                                            "detail": error.detail}})
+        append_jsonl(fh, {**line, "error": {"status_code": error.status_code,
+                                             "detail": error.detail}})
     return path
 
 
@@ -120,15 +119,12 @@ def retire(run_dir: Path, fh: IO[bytes], read_to: int, *, wait_s: float) -> None
     with run_folder_lock(run_dir, wait_s=wait_s) as held:
         if not (held and is_current(fh.fileno(), path)):
             return
-        os.replace(path, retiring)      # from now on appenders write their line again
+        replace(path, retiring)      # from now on appenders write their line again
         with open(retiring, "rb") as renamed:
             renamed.seek(read_to)
             later = [line for line in renamed if line.endswith(b"\n")]
         if later:
-            with open(path, "ab") as fresh:
-                fresh.write(b"".join(later))
-                fresh.flush()
-                os.fsync(fresh.fileno())
+            append_line(path, b"".join(later))
         retiring.unlink()
         if not later:
             state = run_state(run_dir)
@@ -152,5 +148,5 @@ def restore_leftover(run_dir: Path) -> bool:
         if (run_dir / FINISH).exists():
             retiring.unlink()
             return False
-        os.replace(retiring, run_dir / FINISH)
+        replace(retiring, run_dir / FINISH)
         return True

@@ -39,13 +39,13 @@ from typing import IO, Any
 from crucible.registry.client import ApiClient, ApiError, ApiUnavailable
 from crucible.registry.spool_files import (
     POLL_S,
-    append_line,
     is_current,
     lock_fd,
     open_in_run_folder,
     remove_if_empty,
     run_folder_lock,
 )
+from crucible.runfiles import append_jsonl, append_line, repair_torn_tail, write_bytes_atomic
 
 __all__ = ["SPOOL_SUFFIX", "SpoolFile", "RunState", "run_state", "send_record", "drain"]
 
@@ -105,7 +105,7 @@ class SpoolFile:
         self.rejected_path = path.with_name(path.name + ".rejected")
         self.rejected = 0
         self._fh = fh
-        self._drop_torn_tail()
+        repair_torn_tail(fh)   # a reporter killed mid-append: that batch was never acknowledged
         # only the holder writes the offset file, so it is read once and then kept here
         offset = _read_offset(self.offset_path)
         self._delivered = offset if offset <= self._size() else 0
@@ -140,23 +140,9 @@ class SpoolFile:
     def _size(self) -> int:
         return os.fstat(self._fh.fileno()).st_size
 
-    def _drop_torn_tail(self) -> None:
-        # a process killed mid-append leaves a partial last line that was never acknowledged
-        size = end = self._size()
-        while end > 0:
-            start = max(0, end - 65536)
-            self._fh.seek(start)
-            newline = self._fh.read(end - start).rfind(b"\n")
-            if newline >= 0:
-                end = start + newline + 1
-                break
-            end = start
-        if end != size:
-            self._fh.truncate(end)
-
     def append(self, record: dict[str, Any]) -> None:
         """Add a batch at the end; it counts once this returns (fsync'd)."""
-        append_line(self._fh, record)
+        append_jsonl(self._fh, record)
 
     def pending(self) -> bool:
         return self._size() > self._delivered
@@ -186,9 +172,7 @@ class SpoolFile:
             self._fh.truncate(0)
             self._delivered = 0
             return
-        tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")
-        tmp.write_text(str(offset))
-        os.replace(tmp, self.offset_path)
+        write_bytes_atomic(self.offset_path, str(offset).encode())
         self._delivered = offset
 
     def reject(self, raw: bytes, error: ApiError | str) -> None:
@@ -196,10 +180,7 @@ class SpoolFile:
         dropped)."""
         _log.error("spooled batch of %s refused (%s); kept in %s", self.path.parent.name, error,
                    self.rejected_path)
-        with open(self.rejected_path, "ab") as rejected:
-            rejected.write(raw if raw.endswith(b"\n") else raw + b"\n")
-            rejected.flush()
-            os.fsync(rejected.fileno())
+        append_line(self.rejected_path, raw if raw.endswith(b"\n") else raw + b"\n")
         self.rejected += 1
 
     def close(self) -> None:

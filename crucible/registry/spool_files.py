@@ -1,30 +1,23 @@
-"""File primitives the spools and a run's final-state file share: fsync'd line appends, flock
-with a bounded wait, the run-folder lock, and tidying an emptied run folder.
+"""File primitives the spools and a run's final-state file share: flock with a bounded wait,
+the run-folder lock, opening a file in a run folder, and tidying an emptied run folder (their
+lines are appended, and torn tails cut, by `crucible.runfiles`).
 
 `flock` is reliable on a local disk only (see `crucible.registry.spool`): the spool root must be local.
 """
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-__all__ = ["POLL_S", "append_line", "lock_fd", "is_current", "run_folder_lock",
+__all__ = ["POLL_S", "lock_fd", "is_current", "run_folder_lock",
            "open_in_run_folder", "remove_if_empty"]
 
 POLL_S = 0.05
-
-
-def append_line(fh: IO[bytes], record: dict[str, Any]) -> None:
-    fh.seek(0, os.SEEK_END)
-    fh.write(json.dumps(record).encode("utf-8") + b"\n")
-    fh.flush()
-    os.fsync(fh.fileno())
 
 
 def lock_fd(fd: int, *, wait_s: float) -> bool:

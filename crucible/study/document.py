@@ -20,6 +20,7 @@ from typing import Any
 
 from crucible.cells import GridKey, expand_cells
 from crucible.names import ARM_LABEL, ARMS
+from crucible.runfiles import write_text_atomic
 from crucible.spec import SweepSpec
 from crucible.stats import (
     BLOG_DROP,
@@ -476,10 +477,7 @@ def render(spec: SweepSpec, *, check: bool = False, figures: bool = True,
              f"{spec.shown(spec.results_dir)}")
         return 0
     for path, text in texts.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     missing, expected = _missing_count(data)
     echo(f"wrote {spec.shown(spec.document)} from {expected - missing} of {expected} runs "
          f"({missing} not run yet)")

@@ -4,13 +4,13 @@ headless Chromium through Playwright.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from crucible.cells import GridKey
 from crucible.names import ARM_LABEL, ARMS
+from crucible.runfiles import write_bytes_atomic
 from crucible.spec import SweepSpec
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
 from crucible.study.data import StudyData
@@ -189,10 +189,7 @@ def _screenshots(sync_playwright: Any, figures: Mapping[str, Any], paths: Mappin
                 url = page.evaluate(script, [fig.to_json(), scale])
                 png = base64.b64decode(url.split(",", 1)[1])
                 path = paths[name]
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_bytes(png)
-                os.replace(tmp, path)
+                write_bytes_atomic(path, png)
                 written.append(path)
         finally:
             browser.close()

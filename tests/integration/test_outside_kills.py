@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from crucible.distributed import outside
-from crucible.distributed.worker import HOLD_FINAL_ENV, HOLD_UPLOAD_ENV, read_records
+from crucible.distributed.worker import HOLD_FINAL_ENV, HOLD_UPLOAD_ENV
+from crucible.runfiles import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS, AT, DEADLINE = 16, 6, 10.0
@@ -59,12 +60,12 @@ def _check_recovered(out: Path, *, killed_wall: float) -> dict:
     assert row["rejoin_step"] is not None and died < row["rejoin_step"] <= died + 2
     # the death is recorded at the dead life's last heartbeat: at most one beat (lease / 4)
     # before the signal, never after it
-    [recorded] = [r for r in read_records(out / "replicas" / "replica-1" / "process.jsonl")
+    [recorded] = [r for r in read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
                   if r["kind"] == "kill"]
     assert not recorded["planned"] and recorded["dead_life"] == 0
     assert killed_wall - 5.0 / 4 - 0.5 <= recorded["wall"] <= killed_wall
     # the lives never overlapped: each started after the one before it had died
-    starts = [r for r in read_records(out / "replicas" / "replica-1" / "process.jsonl")
+    starts = [r for r in read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
               if r["kind"] in ("start", "restart")]
     assert [r["life"] for r in starts] == list(range(len(starts)))
     assert 0 < row["kill_to_restart_s"] < row["kill_to_rejoin_s"] < DEADLINE
@@ -131,7 +132,7 @@ def test_a_killed_agent_is_replaced_and_its_worker_does_not_linger(tmp_path: Pat
                      what="the orphaned worker's end")
     _finish(launcher)
     _check_recovered(out, killed_wall=killed)
-    records = read_records(out / "replicas" / "replica-1" / "process.jsonl")
+    records = read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
     assert [r["kind"] for r in records if r["kind"] == "agent_lost"] == ["agent_lost"]
 
 
@@ -193,7 +194,7 @@ def test_an_agent_killed_while_its_worker_restarts_leaves_one_worker(tmp_path: P
     dist = summary["distributed"]
     assert dist["lost"] == [] and dist["finished"] == [0, 1, 2]
     assert dist["final_val_loss_spread"] == 0.0
-    records = read_records(out / "replicas" / "replica-1" / "process.jsonl")
+    records = read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
     assert [r["kind"] for r in records].count("agent_lost") == 1
     # never two processes training replica 1: the worker the dead agent had just started either
     # died with it or found its agent gone and exited before it recorded anything, so the
@@ -204,6 +205,6 @@ def test_an_agent_killed_while_its_worker_restarts_leaves_one_worker(tmp_path: P
     for life in lives[:-1]:
         assert max(r["wall"] for r in own if r["life"] == life) < min(
             r["wall"] for r in own if r["life"] == life + 1)
-    rounds = [r["global_step"] for r in read_records(out / "replicas" / "replica-1"
+    rounds = [r["global_step"] for r in read_jsonl(out / "replicas" / "replica-1"
                                                      / "rounds.jsonl")]
     assert rounds == sorted(set(rounds))      # no round trained twice

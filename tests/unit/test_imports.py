@@ -253,3 +253,19 @@ def test_train_does_not_import_bypass_even_lazily():
     assert not any(isinstance(node, ast.ImportFrom) and node.module == "crucible"
                    and any(alias.name == "bypass" for alias in node.names)
                    for node in ast.walk(tree))
+
+
+def test_runfiles_imports_only_the_standard_library():
+    """crucible.runfiles writes every durable run file, for the API, the flows and the command
+    line as much as for the trainer: nothing but the standard library, not even lazily (and so
+    never torch)."""
+    path = PACKAGE / "runfiles.py"
+    found = []
+    for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=True):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
+            else ["." * node.level + (node.module or "")]
+        found += [n for n in names
+                  if n != "__future__" and n.split(".")[0] not in sys.stdlib_module_names]
+    assert not found, f"crucible/runfiles.py imports outside the standard library: {found}"
+    loaded, _ = _probe("import crucible.runfiles")
+    assert loaded == [], "`import crucible.runfiles` imports torch"

@@ -12,8 +12,9 @@ import pytest
 from crucible.config import ConfigError, apply_overrides
 from crucible.distributed.launch import check_recovery, lives_of
 from crucible.distributed.liveness import Heartbeat, PeerWatch, beat_key, read_beat
-from crucible.distributed.worker import died_in, read_records
+from crucible.distributed.worker import died_in
 from crucible.presets import get_preset
+from crucible.runfiles import read_jsonl, repair_torn_tail
 from crucible.store import LocalStore
 
 LEASE = 2.0
@@ -168,11 +169,11 @@ def test_a_torn_last_record_line_is_passed_over_and_an_earlier_one_is_an_error(
         tmp_path: Path) -> None:
     path = tmp_path / "rounds.jsonl"
     path.write_text('{"global_step": 0}\n{"global_step": 1}\n{"global_st')
-    assert read_records(path) == [{"global_step": 0}, {"global_step": 1}]
+    assert read_jsonl(path) == [{"global_step": 0}, {"global_step": 1}]
     path.write_text('{"global_step": 0}\n{"glob\n{"global_step": 2}\n')
     with pytest.raises(ValueError, match="line 2"):
-        read_records(path)
-    assert read_records(tmp_path / "absent.jsonl") == []
+        read_jsonl(path)
+    assert read_jsonl(tmp_path / "absent.jsonl") == []
 
 
 def test_the_round_a_life_died_in(tmp_path: Path) -> None:
@@ -199,15 +200,13 @@ def test_every_replica_has_a_restart_budget_and_bad_budgets_are_refused() -> Non
 
 
 def test_a_torn_line_is_cut_before_the_next_record_is_appended(tmp_path: Path) -> None:
-    from crucible.distributed.worker import repair_torn_line
-
     path = tmp_path / "process.jsonl"
     path.write_text('{"kind": "start"}\n{"kind": "ki')
-    repair_torn_line(path)
+    repair_torn_tail(path)
     with open(path, "a") as fh:
         fh.write('{"kind": "restart"}\n')
-    assert read_records(path) == [{"kind": "start"}, {"kind": "restart"}]
-    repair_torn_line(path)                     # a whole file is left as it is
+    assert read_jsonl(path) == [{"kind": "start"}, {"kind": "restart"}]
+    repair_torn_tail(path)                     # a whole file is left as it is
     assert path.read_text() == '{"kind": "start"}\n{"kind": "restart"}\n'
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -152,15 +153,17 @@ def test_local_store_leaves_no_temp_files_and_stays_inside_root(tmp_path: Path) 
 
 def test_durable_puts_fsync_and_transient_ones_do_not(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    synced: list[int] = []
+    synced: list[str] = []          # what each fsync made durable: a file, or a folder's rename
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"),
+        real_fsync(fd)))
     store = LocalStore(tmp_path / "s")
     store.put("run/1/stage-0/replica-0", b"contribution", durable=False)  # a new prefix too
     assert synced == []
     store.put("run/checkpoints/latest.json", b"pointer")
     store.put_if_absent("run/1/stage-0/manifest.json", b"{}")
-    assert len(synced) == 2
+    assert synced == ["file", "folder", "file", "folder"]
     assert store.get("run/1/stage-0/replica-0") == b"contribution"
     assert sorted(os.listdir(tmp_path / "s" / "run" / "1" / "stage-0")) == [
         "manifest.json", "replica-0"]                                       # no temp files left
