@@ -33,7 +33,13 @@ corpus: $(STAMP)
 demo: install
 	$(BIN)/crucible sweep --demo
 
+# every test this machine can run: first the system packages (infra/system-deps.sh), installed
+# when missing as root on Debian (seconds when present); elsewhere it installs nothing and says
+# how many tests will skip without them and the one command that enables them
+TEST_DEPS := bash infra/system-deps.sh --or-explain $(BIN)/python
+
 test: install
+	@$(TEST_DEPS) "not slow"
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" -q
 
 # the fast lane: tests/unit only (no Postgres, no S3 server, no Prefect, no browser)
@@ -41,9 +47,11 @@ test-unit: install
 	$(BIN)/python -m pytest $(XDIST) -m "unit and not slow" -q
 
 test-slow: install
+	@$(TEST_DEPS) "slow"
 	$(BIN)/python -m pytest $(XDIST) -m "slow" -q
 
 test-all: install
+	@$(TEST_DEPS)
 	$(BIN)/python -m pytest $(XDIST) -q
 
 lint: install
