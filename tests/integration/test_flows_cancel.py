@@ -177,6 +177,12 @@ def test_cancelled_sweep_marks_itself_and_every_unfinished_cell_cancelled(
         assert {c["status"] for c in flow_client.list_runs(sweep_id=sweep["id"])} == {
             "cancelled"}
         assert _active_slots() == 0 and not slot_holders()
+        # the cell's flow run ran inside the sweep's (killed) process: nobody else ends it,
+        # and Prefect must not show it Running for ever
+        with get_client(sync_client=True) as client:
+            cell_state = client.read_flow_run(running["prefect_flow_run_id"]).state
+        assert cell_state.type.name == "CANCELLED"
+        assert cell_state.message.startswith("sweep cancelled")
     finally:
         held.stop.set()
         worker.join(timeout=240)
