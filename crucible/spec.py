@@ -223,6 +223,9 @@ class StudyFiles(BaseModel):
     processes: list[Path] = Field(default_factory=list,
                                   description="Specs running its strategies under other "
                                               "failure processes (one labelled block each).")
+    estimand: list[Path] = Field(default_factory=list,
+                                 description="Pilot specs of a second estimand (runs with "
+                                             "train.tail_average) shown in the document.")
 
 
 ClaimTag = Literal["a", "b", "c", "d", "e"]

@@ -63,6 +63,10 @@ class Comparison:
     status: str          # SUPPORTS, CONTRADICTS, UNRESOLVED or MISSING
     margin: float | None = None     # band rules: the band's half-width; sign rules: None
     reference: float | None = None  # the blog's value of the same quantity, where it gives one
+    # what one more seed of it takes: its failure cells (arm, strategy, p) and the arms whose
+    # p = 0 baseline each seed also needs (the price of a seed: crucible.study.price)
+    cells: tuple[tuple[str, str, float], ...] = ()
+    baselines: tuple[str, ...] = ()
 
     @property
     def seeds_to_decide(self) -> int | None:
@@ -100,13 +104,20 @@ class Claim:
 
     def seeds_to_decide(self) -> tuple[int, int] | None:
         """(seeds, comparisons over MAX_SEEDS) that would decide every unresolved comparison
-        if their means and sds stay as measured; None when none is unresolved."""
+        if their means and sds stay as measured: the costliest comparison's count, since the
+        claim is decided only when all are; None when none is unresolved."""
         open_ = [c for c in self.comparisons if c.status == UNRESOLVED]
         if not open_:
             return None
         needs = [c.seeds_to_decide for c in open_]
         known = [n for n in needs if n is not None]
         return (max(known) if known else 0), sum(1 for n in needs if n is None)
+
+    @property
+    def without_sd(self) -> int:
+        """Comparisons with fewer than 2 seeds: no sd yet, so no count of the seeds they need
+        (a second seed first)."""
+        return sum(1 for c in self.comparisons if c.status == MISSING)
 
 
 def _sign_status(s: Stat, expect: str) -> str:
@@ -223,19 +234,26 @@ def evaluate_claims(cells: Cells, *, close_margin: float = 0.5,
     margin, band = close_margin, equivalence_margin
     refs = BLOG_REFERENCES if references is None else references
     a = tuple(Comparison(f"{ARM_LABEL[arm]}, p = {p:g}", s, _sign_status(s, "below"),
-                         reference=_ref_diff(refs, (arm, "skip", p), (arm, "drop", p)))
+                         reference=_ref_diff(refs, (arm, "skip", p), (arm, "drop", p)),
+                         cells=((arm, "skip", p), (arm, "drop", p)), baselines=(arm,))
               for arm, p, s in skip_minus_drop(cells))
     b = tuple(Comparison(f"{ARM_LABEL[arm]}, {strategy}", s, _sign_status(s, "above"),
-                         reference=_ref_slope(refs, arm, strategy, ps))
+                         reference=_ref_slope(refs, arm, strategy, ps),
+                         cells=tuple((arm, strategy, p) for p in ps), baselines=(arm,))
               for arm, strategy, ps, s in growth_slopes(cells))
     c = tuple(Comparison(f"SSN - {ARM_LABEL[other]}, p = {p:g}", s, _sign_status(s, "below"),
-                         reference=_ref_diff(refs, ("ssn", "skip", p), (other, "skip", p)))
+                         reference=_ref_diff(refs, ("ssn", "skip", p), (other, "skip", p)),
+                         cells=(("ssn", "skip", p), (other, "skip", p)),
+                         baselines=("ssn", other))
               for other, p, s in _arm_pairs(cells, "ssn", ("mapl", "none")))
     d = tuple(Comparison(f"MAPL - uncompressed, p = {p:g}", s, _band_status(s, margin), margin,
-                         reference=_ref_diff(refs, ("mapl", "skip", p), ("none", "skip", p)))
+                         reference=_ref_diff(refs, ("mapl", "skip", p), ("none", "skip", p)),
+                         cells=(("mapl", "skip", p), ("none", "skip", p)),
+                         baselines=("mapl", "none"))
               for _, p, s in _arm_pairs(cells, "mapl", ("none",)))
     e = tuple(Comparison(f"{ARM_LABEL[arm]}, skip, p = {LOW_P:g}", s, _band_status(s, band), band,
-                         reference=refs.get((arm, "skip", LOW_P)))
+                         reference=refs.get((arm, "skip", LOW_P)),
+                         cells=((arm, "skip", LOW_P),), baselines=(arm,))
               for arm in ARMS for values in [_find(cells, arm, "skip", LOW_P)]
               if values is not None for s in [stat_of(values)])
     quotes = _blog_quotes() if references is None else {

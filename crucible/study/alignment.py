@@ -133,6 +133,33 @@ def _fmt(c: Correlation) -> str:
     return f"{c.r:+.2f} [{c.lo:+.2f}, {c.hi:+.2f}] (n = {c.n})"
 
 
+# the commit that brought the alignment report (crucible/alignment.py), and recorded commits
+# that precede it (`git merge-base --is-ancestor b26d39b 0b95136`): baselines trained from a
+# working tree that held the report's code before it was committed
+ALIGNMENT_SINCE = "0b95136"
+BEFORE_THE_REPORT = ("b26d39b",)
+
+
+def _which_code(data: Any, points: list[AlignmentPoint]) -> str:
+    """Which code computed the baselines' alignment numbers: the commits they record."""
+    shas: dict[str, int] = {}
+    for pt in points:
+        run = data.baseline(pt.arm).get(pt.seed) or {}
+        sha = str((run.get("versions") or {}).get("git_sha") or "unknown")[:7]
+        shas[sha] = shas.get(sha, 0) + 1
+    listed = ", ".join(f"`{sha}` ({n})" for sha, n in sorted(shas.items()))
+    early = sum(n for sha, n in shas.items() if sha in BEFORE_THE_REPORT)
+    text = (f"Which code computed them: the baselines record the commits {listed}; the report "
+            f"entered the code in `{ALIGNMENT_SINCE}`.")
+    if early:
+        text += (f" {early} baseline{'s' if early != 1 else ''} record a commit before it "
+                 f"({', '.join(f'`{s}`' for s in BEFORE_THE_REPORT if s in shas)}): they were "
+                 "trained from a working tree that held the report's code before it was "
+                 f"committed, so their numbers are that code's, the code `{ALIGNMENT_SINCE}` "
+                 "committed, not the recorded commit's (which has no report).")
+    return text
+
+
 def alignment_section(data: Any, labels: Mapping[str, str], figure: str | None
                       ) -> list[str]:
     """The "Alignment" section (Markdown lines); empty when no baseline recorded alignment."""
@@ -196,7 +223,7 @@ def alignment_section(data: Any, labels: Mapping[str, str], figure: str | None
         verdict = ("Verdict: not resolved: no alignment metric's within-arm interval excludes "
                    "0, so at these seeds alignment does not measurably predict the trained "
                    "skip degradation.")
-    out += ["", verdict, ""]
+    out += ["", verdict, "", _which_code(data, points), ""]
     if figure:
         out += [f"![Alignment against trained skip degradation]({figure})", ""]
     return out

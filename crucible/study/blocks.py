@@ -236,3 +236,68 @@ def prove(spec: SweepSpec, cell_id: str, *, work_dir: Path) -> tuple[Path, dict[
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, proof)
     return path, proof
+
+
+SOUNDNESS = (
+    "Why seeds may come from different machines: the study's estimates are means over seeds of "
+    "differences paired within a seed, and every cell of one seed (all arms' baselines and "
+    "failure cells) is made with one arithmetic, so each pair is a pair of twins. Seeds are "
+    "exchangeable draws; the machine that made a seed's block is one more source of "
+    "seed-to-seed variation, which the interval over seeds already measures. Within a pair it "
+    "costs nothing; between seeds it can only widen the spread the interval reports, never bias "
+    "a paired difference. The arithmetic is identified by what it computes "
+    "(`python -m crucible.arithmetic`: a digest of a fixed probe through the simulator's "
+    "kernels), not by the CPU's name.")
+
+
+def blocks_section(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
+                   proofs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The document's "Seeds, machines and arithmetic" section: per seed, its cells, the
+    arithmetic they record (or the proofs made for a block made before the probe) and the
+    machines named in the results."""
+    proofs = list(proofs)
+    blocks = seed_blocks(spec, results, proofs)
+    if not blocks:
+        return []
+    seeds = {cell.id: cell.seed for cell in _result_cells(spec)}
+    machines: dict[int, set[str]] = {}
+    for cell_id, result in results.items():
+        # "x86_64, 2 CPUs, Intel(R) Xeon(R) Processor": the CPU's name, where it gives one
+        parts = str((result.get("study") or {}).get("machine") or "").split(", ")
+        model = (", ".join(parts[2:]) if len(parts) >= 3 and parts[1].endswith("CPUs")
+                 else "not named")
+        machines.setdefault(seeds.get(cell_id, -1), set()).add(model)
+    rows = []
+    for seed in sorted(blocks):
+        block = blocks[seed]
+        if block.digests:
+            arithmetic = ", ".join(f"`{d}`" for d in sorted(block.digests))
+        else:
+            arithmetic = "made before the probe"
+        if block.undigested:
+            shown = [f"proven `{d}` ({c})" for d, c in sorted(block.proven.items())]
+            shown += [f"not `{d}` ({c})" for d, c in sorted(block.disproven.items())]
+            arithmetic += ("; " + "; ".join(shown)) if shown else "; no proof yet"
+        rows.append([str(seed), str(len(block.cells)), arithmetic,
+                     ", ".join(sorted(machines.get(seed, set()))) or "-"])
+    mixed = [seed for seed, block in sorted(blocks.items()) if len(block.digests) > 1]
+    out = ["## Seeds, machines and arithmetic", "", SOUNDNESS, "",
+           "Per seed: its result files, the arithmetic digest they record (results made before "
+           "the probe record none; a re-run of one of them that ended on the same bits proves a "
+           "machine's digest for the block, one that did not shows it differs: `crucible study "
+           "prove`), and the CPU the results name.", ""]
+    from crucible.study.formatting import _table
+
+    out += _table(["seed", "cells", "arithmetic", "machine"], rows)
+    out.append("")
+    if mixed:
+        out += [f"Warning: seed{'s' if len(mixed) > 1 else ''} "
+                f"{', '.join(str(s) for s in mixed)} mix{'es' if len(mixed) == 1 else ''} "
+                "arithmetics: their pairs are not twins.", ""]
+    return out
+
+
+def _result_cells(spec: SweepSpec) -> list[Cell]:
+    from crucible.study.spec import result_cells
+
+    return result_cells(spec)

@@ -132,14 +132,22 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
                 f"in `{spec.shown(spec.results_dir)}/`) and render this file again with "
                 f"`{spec.command}`. The study's runs are {scale}, not the blog's 178M "
                 "Chinchilla-budget runs."]
-    first = (f"At p = 0.1 and 0.2, skipping a failed stage raised the final validation loss by "
-             f"{_range(skip)} over the arms (cell means) and dropping the replica's tokens by "
+    # the grid's own failure rates and arms, as many as it has (one arm, one p: said so)
+    ps = sorted({k.p for k in data.grid() if k.p in CLAIM_PS and not k.label
+                 and k.strategy in ("skip", "drop")})
+    arms = {k.arm for k in data.grid() if k.p in ps and not k.label}
+    at = " and ".join(f"{p:g}" for p in ps)
+    over = " over the arms (cell means)" if len(arms) > 1 else f" ({ARM_LABEL[min(arms)]})"
+    first = (f"At p = {at}, skipping a failed stage raised the final validation loss by "
+             f"{_range(skip)}{over} and dropping the replica's tokens by "
              f"{_range(drop)}, against the blog's +0.6-0.9% and {BLOG_DROP}")
     a = by_tag.get("a")
+    every = "at every p" if len(ps) > 1 or len(arms) > 1 else f"at every p (tested at p = {at})"
     first += ("." if a is None else
-              f"; the blog's \"skip costs less than drop at every p\" is {_verdict_word(a)} "
-              f"here ({a.count('supports')} of {len(a.comparisons)} paired comparisons have "
-              "their 95% interval below 0).")
+              f"; the blog's \"skip costs less than drop {every}\" is {_verdict_word(a)} "
+              f"here ({a.count('supports')} of {len(a.comparisons)} paired "
+              f"comparison{'s' if len(a.comparisons) != 1 else ''} "
+              f"{'have their' if len(a.comparisons) != 1 else 'has its'} 95% interval below 0).")
     named = {"b": "\"degradation grows with p\"", "c": "\"SSN degrades least\"",
              "d": f"\"MAPL is close to uncompressed\" (within ±{spec.close_margin:g} points)"}
     words = [f"{name} is {_verdict_word(by_tag[tag])}" for tag, name in named.items()
@@ -234,6 +242,13 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
     from crucible.study.costs import cost_section
 
     costs = cost_section(data, ARM_LABEL)
+    from crucible.study.blocks import blocks_section, load_proofs
+    from crucible.study.estimand import estimand_section
+    from crucible.study.price import price_section
+
+    seed_blocks = blocks_section(spec, data.results, load_proofs(spec))
+    estimand = estimand_section(spec, ARM_LABEL)
+    prices = price_section(data, claims, _gpu(spec))
     return _template().render(
         title=spec.title or "Failure study: the blog's Table 1 and Figure 3, with intervals",
         command=spec.command, results=spec.shown(spec.results_dir),
@@ -256,12 +271,25 @@ def render_markdown(data: StudyData, *, figure_names: Mapping[str, str] | None =
         preset_note=setting["source"] == "preset" and setting["runs"],
         shapes=setting["shapes"], digests=setting["digests"], undigested=setting["undigested"],
         notes=spec.notes, pilots=pilots, extras=extras, costs=costs,
+        seed_blocks=seed_blocks, estimand=estimand, prices=prices,
         table1=_lines(_table1(data)), target=f"{spec.target_half_width:g}",
         cells_table=_lines(_cells_table(data)), baselines_table=_lines(_baselines_table(data)),
         claims=claims, claims_table=_lines(_claims_table(spec, claims)),
         comparison_tables=[_lines(_comparisons_table(claim)) for claim in claims],
         sentences=[_claim_sentence(claim) for claim in claims],
         cannot_resolve=_cannot_resolve(data, resolvable, missing, expected))
+
+
+def _gpu(spec: SweepSpec) -> dict[str, Any] | None:
+    """The GPU estimate of the spec's `gpu` companion, when the study has one (the spec
+    `gpu-<d>.toml` named in GPU_SPECS beside it, priced on GPU_DEPLOYMENT)."""
+    from crucible.study.price import GPU_DEPLOYMENT, GPU_SPECS, gpu_estimate
+
+    name = GPU_SPECS.get(spec.name)
+    if name is None:
+        return None
+    root = spec.path.parent
+    return gpu_estimate(root / name, root.parent / GPU_DEPLOYMENT)
 
 
 def _lines(lines: Sequence[str]) -> str:

@@ -85,14 +85,21 @@ def _decide_text(c: Comparison) -> str:
 
 
 def _seeds_needed(claim: Claim) -> str:
+    """The seeds that would decide the claim: its costliest open comparison's, with the
+    comparisons beyond MAX_SEEDS and those that have no sd yet named beside it."""
     need = claim.seeds_to_decide()
+    no_sd = claim.without_sd if claim.verdict not in ("agrees", "disagrees") else 0
+    tail = f"{no_sd} comparison{'s' if no_sd != 1 else ''} without an sd yet"
     if need is None:
-        return "-"
+        return tail if no_sd else "-"
     n, beyond = need
-    if beyond and not n:
-        return f"> {MAX_SEEDS}"
-    return str(n) + (f" ({beyond} comparison{'s' if beyond != 1 else ''} > {MAX_SEEDS})"
-                     if beyond else "")
+    parts = [] if beyond and not n else [str(n)]
+    if beyond:
+        parts.append(f"{beyond} comparison{'s' if beyond != 1 else ''} > {MAX_SEEDS}"
+                     if n else f"> {MAX_SEEDS}")
+    if no_sd:
+        parts.append(tail)
+    return parts[0] + (f" (and {'; '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
 def _cell_name(key: GridKey) -> str:

@@ -35,7 +35,7 @@ _FILE_KEYS = {"results_dir", "runs_dir", "document", "figures_dir"}
 _SPEC_LISTS = {"pilots": '["pilot-w128-lr2.toml"]',
                "token_check": '["pilot-half.toml", "pilot-full.toml"]',
                "scale": '["scale-d256.toml"]', "reuse": '["pilot-w128-lr2.toml"]',
-               "processes": '["processes.toml"]'}
+               "processes": '["processes.toml"]', "estimand": '["estimand-pilot.toml"]'}
 _SPEC_KEYS = _MODEL_KEYS | _FILE_KEYS | set(_SPEC_LISTS)
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
