@@ -54,6 +54,7 @@ from prefect.client.schemas.actions import (
 from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from crucible.runfiles import write_text_atomic
 from flows.processes import prefect_server, process_alive, process_start
 
 __all__ = ["gpu_limit_name", "local_device_count", "ensure_gpu_limit", "set_gpu_limit", "gpu_slot",
@@ -307,9 +308,7 @@ def _holder_dir() -> Path:
 def _write_record(path: Path, record: dict[str, Any]) -> None:
     """Write a holder or ticket file whole (temporary file, then rename): a reader never sees
     half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(record))
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from crucible.runfiles import write_text_atomic
+
 __all__ = ["process_start", "process_alive", "prefect_server", "flow_process", "reconcile",
            "end_processes", "run_folder_lock", "live_records", "end_prefect_flow_runs"]
 
@@ -107,9 +109,7 @@ def flow_process(work_dir: Path, flow_run_id: str | None, flow: str) -> Iterator
     record = {"flow_run_id": flow_run_id, "flow": flow, "pid": os.getpid(),
               "started": process_start(os.getpid()), "pgid": os.getpgrp(),
               "host": socket.gethostname(), "server": prefect_server()}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(record))
     try:
         yield
     finally:
