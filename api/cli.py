@@ -271,7 +271,7 @@ def _edit(kind: Kind, ref: str, changes: dict[str, Any],
 
 
 def _checked_tags(tags: list[str], option: str) -> list[str]:
-    from crucible.tags import check_tags
+    from crucible.grid.tags import check_tags
 
     try:
         return check_tags(tags, field=option)
@@ -305,7 +305,7 @@ def note(kind: Kind = typer.Argument(..., help="run or sweep"),
          text: str | None = typer.Argument(None, help="the new notes (replace the old ones)"),
          clear: bool = typer.Option(False, "--clear", help="remove the notes")) -> None:
     """Set (or --clear) the notes of a run or sweep and print them; with neither, print them."""
-    from crucible.tags import MAX_NOTES
+    from crucible.grid.tags import MAX_NOTES
 
     if clear and text is not None:
         raise _usage("give either TEXT or --clear, not both")

@@ -45,9 +45,9 @@ def sweep_costs(session: Session, *, sweep_id: uuid.UUID,
     """The sweep's decisions by cost on one deployment (crucible.cost_sweep.sweep_costs) from
     its runs' stored records; `deployment` may be left out when they have one only. Raises
     NotFoundError (no sweep, or no run of it priced on that deployment), InvalidInputError."""
-    from crucible.cells import GridKey
     from crucible.cost_sweep import CostRow
     from crucible.cost_sweep import sweep_costs as decide
+    from crucible.grid.cells import GridKey
 
     get_sweep(session, sweep_id=sweep_id)
     rows = session.execute(select(Run, RunCost).join(RunCost, RunCost.run_id == Run.id)

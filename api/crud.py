@@ -30,7 +30,7 @@ from api.pagination import keyset_page
 from api.schemas import MAX_TAGS
 from crucible import stats
 from crucible.config import Config, ConfigError
-from crucible.names import RUNNING
+from crucible.grid.names import RUNNING
 from db.models import Run, Sweep
 
 __all__ = [

@@ -48,9 +48,9 @@ from typing_extensions import (  # pydantic refuses typing.TypedDict before 3.12
 )
 
 from crucible.events import EVENT_KINDS, METRIC_NAMES
-from crucible.names import Compression, RunStatus, Strategy, SweepStatus  # noqa: F401
-from crucible.spec import ANNOTATIONS
-from crucible.tags import MAX_NOTES, MAX_TAGS, TAG_PATTERN
+from crucible.grid.names import Compression, RunStatus, Strategy, SweepStatus  # noqa: F401
+from crucible.grid.spec import ANNOTATIONS
+from crucible.grid.tags import MAX_NOTES, MAX_TAGS, TAG_PATTERN
 
 __all__ = [
     "MAX_BATCH_ITEMS", "RunStatus", "SweepStatus", "Compression", "Strategy", "MetricName",
@@ -200,7 +200,7 @@ Index = _json_int(ge=0, le=MAX_SMALL)
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # strict: ints yes, "1.5"/true no
 Loss = Number
 
-_TAG = re.compile(TAG_PATTERN)  # the rule of crucible.tags, which the CLI and sweep form check
+_TAG = re.compile(TAG_PATTERN)  # the rule of crucible.grid.tags, which the CLI and sweep form check
 
 
 def _check_tag(tag: str) -> str:
@@ -273,7 +273,7 @@ class SweepUpdate(_TagEdits):
     prefect_flow_run_id: Text(64) | None = None  # type: ignore[valid-type]
     spec_annotations: SpecAnnotations | None = Field(  # type: ignore[valid-type]
         None, description="keys of the stored spec that annotate it without changing what it "
-                          "runs (crucible.spec.ANNOTATIONS: margins, target_half_width, "
+                          "runs (crucible.grid.spec.ANNOTATIONS: margins, target_half_width, "
                           "references, claims, title, ...), merged into the stored spec; any "
                           "other key is refused (a spec that runs other cells is another sweep)")
 
@@ -302,7 +302,7 @@ class RunCreate(BaseModel):
     tags: Tags = Field(default_factory=list)
     notes: Notes | None = None  # type: ignore[valid-type]
     label: str = Field("", max_length=64, pattern=r"^([a-z0-9][a-z0-9_]*)?$",
-                       description="the study block the run belongs to (crucible.spec.GridBlock."
+                       description="the study block the run belongs to (crucible.grid.spec.GridBlock."
                                    "label: a block with baseline-neutral overrides); '' for an "
                                    "unlabelled cell; refused on a p = 0 baseline")
 

@@ -216,7 +216,7 @@ def _registry_options(api_url: str | None, tags: list[str],
     without a registry; exit 2 naming the option for a bad tag, note or URL."""
     from pydantic import ValidationError
 
-    from crucible.tags import check_notes, check_tags
+    from crucible.grid.tags import check_notes, check_tags
 
     try:
         tags, note = check_tags(tags, field="--tag"), check_notes(note, field="--note")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from crucible.cells import Cell
-from crucible.spec import SweepSpec
+from crucible.grid.cells import Cell
+from crucible.grid.spec import SweepSpec
 from crucible.study.document import render
 from crucible.study.runner import adopt_results
 from crucible.study.spec import FigureError, StudyError, completed_cells, load_spec

@@ -101,7 +101,7 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
     global weights after an outer step) on `windows` held-out windows."""
     from crucible.boundary import principal_angles_deg
     from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
-    from crucible.names import BYPASS_DECODES
+    from crucible.grid.names import BYPASS_DECODES
 
     started = time.perf_counter()
     model, device, S = trainer.model, trainer.device, trainer.S

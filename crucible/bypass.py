@@ -18,8 +18,8 @@ import torch
 
 from crucible.config import Config, ConfigError
 from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
+from crucible.grid.names import BYPASS_DECODES
 from crucible.model_file import MODEL_FILE, load_global_weights
-from crucible.names import BYPASS_DECODES
 from crucible.train import Trainer
 
 # the model file lives in crucible.model_file: the trainer writes it and this module imports the

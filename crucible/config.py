@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlparse
 
-from crucible.names import BypassDecode, Compression, Strategy
+from crucible.grid.names import BypassDecode, Compression, Strategy
 from crucible.store import parse_store_url  # stdlib only: boto3 loads with the first S3Store
 
 __all__ = [

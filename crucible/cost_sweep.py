@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crucible.cells import GridKey
+from crucible.grid.cells import GridKey
 from crucible.stats import Stat, stat_of
 
 __all__ = ["CostRow", "cell_key", "loss_at_money", "reach", "sweep_costs"]

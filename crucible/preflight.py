@@ -30,7 +30,7 @@ from crucible.memory import MemoryEstimate, check_fits
 from crucible.store import open_store, parse_store_url
 
 if TYPE_CHECKING:
-    from crucible.spec import SweepSpec
+    from crucible.grid.spec import SweepSpec
 
 __all__ = ["check_writable_dir", "check_machine", "check_trace", "check_spec_here",
            "check_memory", "check_can_start"]

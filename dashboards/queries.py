@@ -31,7 +31,7 @@ from api.schemas import (
     SweepPublic,
     SweepStatus,
 )
-from crucible.names import UNFINISHED_STATUSES
+from crucible.grid.names import UNFINISHED_STATUSES
 from db.models import Event, Metric, Run, RunCost, Sweep
 
 __all__ = ["sweep_view", "run_view", "index_view", "compare_view", "run_state", "sweep_state", "INDEX_FILTERS",

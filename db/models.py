@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from crucible.names import RUN_STATUSES, SWEEP_STATUSES
+from crucible.grid.names import RUN_STATUSES, SWEEP_STATUSES
 
 __all__ = ["Base", "Sweep", "Run", "Metric", "Event", "RunCost", "ApiToken", "RUN_STATUSES", "SWEEP_STATUSES",
            "utcnow"]

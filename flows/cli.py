@@ -42,7 +42,7 @@ def _spec_from_options(demo: bool, values: dict[str, Any]) -> Any:
     adds to the demo's own overrides, after them)."""
     from pydantic import ValidationError
 
-    from crucible.spec import DEMO_SPEC, SweepSpec
+    from crucible.grid.spec import DEMO_SPEC, SweepSpec
 
     data = dict(DEMO_SPEC) if demo else {}
     given = {key: value for key, value in values.items() if value not in (None, [])}

@@ -27,7 +27,7 @@ import httpx
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 
-from crucible.spec import DEMO_SPEC
+from crucible.grid.spec import DEMO_SPEC
 from flows.distributed_flow import distributed_run
 from flows.identity import code_version
 from flows.run_flow import train_run

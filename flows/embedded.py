@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crucible.spec import SweepSpec
+from crucible.grid.spec import SweepSpec
 
 __all__ = ["EmbeddedRegistry", "embedded_registry", "embedded_prefect", "flow_environment",
            "SweepReport", "run_sweep_embedded"]

@@ -45,8 +45,8 @@ from prefect.runtime import flow_run as runtime_flow_run
 from crucible.config import Config, apply_overrides
 from crucible.data import check_config_budget
 from crucible.events import Callback, Event, Metric
+from crucible.grid.names import FINAL_STATUSES
 from crucible.ids import validate_id
-from crucible.names import FINAL_STATUSES
 from crucible.presets import get_preset
 from crucible.registry.reporting import (
     ApiUnavailable,

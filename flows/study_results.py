@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
-from crucible.cells import Cell
-from crucible.spec import SweepSpec
+from crucible.grid.cells import Cell
+from crucible.grid.spec import SweepSpec
 from flows.registry import make_client
 from flows.settings import FlowSettings
 

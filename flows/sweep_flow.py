@@ -51,11 +51,11 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as runtime_flow_run
 
-from crucible.cells import Cell, extra_cells
 from crucible.config import Config, ConfigError
-from crucible.names import FINAL_STATUSES
+from crucible.grid.cells import Cell, extra_cells
+from crucible.grid.names import FINAL_STATUSES
+from crucible.grid.spec import ANNOTATIONS, SweepSpec, identity_of
 from crucible.registry.client import ApiError, ApiUnavailable
-from crucible.spec import ANNOTATIONS, SweepSpec, identity_of
 from crucible.stats import claim_rows, robustness, seeds_wanted
 from flows.errors import describe, retry_only_transient
 from flows.identity import code_version, config_fingerprint

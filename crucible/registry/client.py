@@ -136,7 +136,7 @@ class ApiClient:
     def update_sweep(self, sweep_id: str, **changes: Any) -> dict[str, Any]:
         """PATCH a sweep: status=, prefect_flow_run_id=, tags= (replaces) or add_tags= /
         remove_tags= (edited atomically), notes= (None clears), spec_annotations= (merged into
-        the stored spec; crucible.spec.ANNOTATIONS only)."""
+        the stored spec; crucible.grid.spec.ANNOTATIONS only)."""
         return self.request("PATCH", f"{_PREFIX}/sweeps/{sweep_id}", json_body=changes)
 
     def robustness(self, sweep_id: str) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class ApiClient:
                    name: str | None = None, config_hash: str | None = None,
                    code_version: str | None = None, tags: list[str] | None = None,
                    notes: str | None = None, label: str | None = None) -> dict[str, Any]:
-        """POST a run; `label` is its study block's (crucible.spec.GridBlock.label)."""
+        """POST a run; `label` is its study block's (crucible.grid.spec.GridBlock.label)."""
         body = {"config": config, "sweep_id": sweep_id, "name": name,
                 "config_hash": config_hash, "code_version": code_version, "tags": tags,
                 "notes": notes, "label": label or None}

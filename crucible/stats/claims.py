@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crucible.names import ARM_LABEL, ARMS
+from crucible.grid.names import ARM_LABEL, ARMS
 from crucible.stats.intervals import (
     MAX_SEEDS,
     Stat,

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from crucible.names import COMPLETED, FAILED, UNFINISHED_STATUSES
+from crucible.grid.names import COMPLETED, FAILED, UNFINISHED_STATUSES
 from crucible.stats.intervals import (
     relative_degradation,
     seeds_for_half_width,

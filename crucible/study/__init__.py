@@ -5,7 +5,7 @@ document.
     crucible study render studies/table1-d128.toml [--check] [--no-figures]
     crucible study adopt studies/table1-d128.toml   # identical runs of its `reuse` specs
 
-A spec (TOML, loaded into the one spec model of sweeps and studies, `crucible.spec.SweepSpec`;
+A spec (TOML, loaded into the one spec model of sweeps and studies, `crucible.grid.spec.SweepSpec`;
 the `failure-sweep` flow takes the same grid) names a preset, the seeds and a list of grid blocks (arms x strategies x p, plus
 optional `key=value` overrides, a label and the block's own `seeds`; an arm's baselines cover
 every seed one of its blocks runs). Optional spec keys: `pilots` (candidate-preset specs whose
@@ -24,7 +24,7 @@ ids:
     mapl-skip-p0.2-decode_sender-s1   the same with a block label (its overrides)
 
 `study run` runs every cell whose result file `<results_dir>/<cell-id>.json` is missing on the
-`failure-sweep` flow (crucible.spec's model is its parameter; the embedded stack: ephemeral
+`failure-sweep` flow (crucible.grid.spec's model is its parameter; the embedded stack: ephemeral
 Prefect and the registry over SQLite in `<runs_dir>`, one torch thread a cell, `--jobs` at a
 time), and the flow keeps each finished cell's summary there, so a grid can be completed over
 several sittings and the results committed. `study render` turns the committed results into the Markdown document and

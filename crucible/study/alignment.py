@@ -61,7 +61,7 @@ class Correlation:
 def alignment_points(data: Any, p: float | None = None) -> list[AlignmentPoint]:
     """The (arm, seed) points of a StudyData at skip, failure rate `p` (default: the grid's
     highest p of an unlabelled skip cell)."""
-    from crucible.names import ARMS
+    from crucible.grid.names import ARMS
 
     skip_ps = sorted(k.p for k in data.grid() if k.strategy == "skip" and not k.label)
     if not skip_ps:

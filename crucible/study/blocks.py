@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from crucible.arithmetic import digest_of
-from crucible.cells import Cell
-from crucible.spec import SweepSpec
+from crucible.grid.cells import Cell
+from crucible.grid.spec import SweepSpec
 from crucible.study.spec import StudyError
 
 PROOFS_DIR = "arithmetic-proofs"

@@ -200,6 +200,6 @@ def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def labels_of(cell: Mapping[str, Any]) -> str:
-    from crucible.names import ARM_LABEL
+    from crucible.grid.names import ARM_LABEL
 
     return ARM_LABEL.get(cell["arm"], cell["arm"])

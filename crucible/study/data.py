@@ -9,9 +9,9 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from crucible.cells import GridKey, grid_keys
-from crucible.names import COMPLETED
-from crucible.spec import SweepSpec
+from crucible.grid.cells import GridKey, grid_keys
+from crucible.grid.names import COMPLETED
+from crucible.grid.spec import SweepSpec
 from crucible.stats import CellKey, Claim, Stat, evaluate_claims, paired_degradations, stat_of
 from crucible.study.runner import load_results
 from crucible.study.spec import DEFAULT_SPEC, load_spec, result_cells

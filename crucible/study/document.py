@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from crucible.cells import GridKey, expand_cells
-from crucible.names import ARM_LABEL, ARMS
+from crucible.grid.cells import GridKey, expand_cells
+from crucible.grid.names import ARM_LABEL, ARMS
+from crucible.grid.spec import SweepSpec
 from crucible.runfiles import write_text_atomic
-from crucible.spec import SweepSpec
 from crucible.stats import (
     BLOG_DROP,
     BLOG_SKIP,

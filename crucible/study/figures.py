@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from crucible.cells import GridKey
-from crucible.names import ARM_LABEL, ARMS
+from crucible.grid.cells import GridKey
+from crucible.grid.names import ARM_LABEL, ARMS
+from crucible.grid.spec import SweepSpec
 from crucible.runfiles import write_bytes_atomic
-from crucible.spec import SweepSpec
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
 from crucible.study.data import StudyData
 from crucible.study.spec import FigureError

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from crucible.cells import GridKey
-from crucible.names import ARM_LABEL
+from crucible.grid.cells import GridKey
+from crucible.grid.names import ARM_LABEL
 from crucible.stats import (
     AGREES,
     DISAGREES,

@@ -10,7 +10,7 @@ import csv
 import io
 from typing import Any
 
-from crucible.names import ARM_LABEL
+from crucible.grid.names import ARM_LABEL
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
 
 __all__ = ["table1_rows", "table1_csv", "table1_latex", "CSV_COLUMNS"]

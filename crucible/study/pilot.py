@@ -43,7 +43,7 @@ class PilotRow:
 
 def _grid_cells_per_arm(spec: Any) -> dict[str, int]:
     """Failure cells per arm in `spec`'s grid (its baselines add one per seed)."""
-    from crucible.cells import grid_keys
+    from crucible.grid.cells import grid_keys
 
     counts: dict[str, int] = {}
     for key in grid_keys(spec):
@@ -56,7 +56,7 @@ def pilot_rows(spec: Any, *, target: float | None = None) -> list[PilotRow]:
     """One row per (pilot of `spec`, arm), in the pilots' order; raises StudyError for a pilot
     spec that does not load."""
     from crucible.config import apply_overrides
-    from crucible.names import ARMS
+    from crucible.grid.names import ARMS
     from crucible.presets import get_preset
     from crucible.stats import seeds_for_half_width, stat_of
     from crucible.study.data import StudyData
@@ -167,7 +167,7 @@ def token_rows(spec: Any) -> list[dict[str, Any]]:
     """Per arm of the `token_check` pair (half, full): the seeds both ran, each seed's change of
     the baseline's final loss from full to half the tokens (%), and the full baselines' seed
     sd (% of their mean)."""
-    from crucible.names import ARMS
+    from crucible.grid.names import ARMS
     from crucible.study.data import StudyData
     from crucible.study.runner import load_results
     from crucible.study.spec import load_spec

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from crucible.arithmetic import digest_of
-from crucible.cells import Cell
-from crucible.spec import SweepSpec
+from crucible.grid.cells import Cell
+from crucible.grid.spec import SweepSpec
 from crucible.study.spec import StudyError, load_spec, result_cells, result_path
 from crucible.summary import write_json_atomic
 

@@ -1,7 +1,7 @@
 """A study's spec file: `load_spec` reads a TOML spec (the format is in crucible.study's
-docstring) into the one spec model, `crucible.spec.SweepSpec`, with its files resolved
+docstring) into the one spec model, `crucible.grid.spec.SweepSpec`, with its files resolved
 (`StudyFiles`); `result_path` / `completed_cells` say where a cell's result file lies and which
-are there. The cells themselves are the spec's (`crucible.cells.expand_cells`).
+are there. The cells themselves are the spec's (`crucible.grid.cells.expand_cells`).
 
 The TOML's keys are the model's (those a study's runner honours: name, preset, seeds, grid,
 duration, global_steps, max_seeds, title, notes and the claims' margins and target), with two of the
@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from crucible.cells import Cell
-from crucible.spec import StudyFiles, SweepSpec
+from crucible.grid.cells import Cell
+from crucible.grid.spec import StudyFiles, SweepSpec
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "studies" / "table1.toml"
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from crucible.names import UNFINISHED_STATUSES
+from crucible.grid.names import UNFINISHED_STATUSES
 from dashboards import figures
 from dashboards.datasets import export_links
 from dashboards.pages._common import (

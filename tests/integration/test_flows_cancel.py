@@ -21,8 +21,8 @@ from prefect.runner._hook_runner import HookRunner
 from prefect.states import Cancelling
 
 import crucible.train
+from crucible.grid.spec import SweepSpec
 from crucible.registry.reporting import ApiClient
-from crucible.spec import SweepSpec
 from flows.gpu import gpu_limit_name, gpu_slot, slot_holders
 from flows.run_flow import train_run
 from flows.sweep_flow import failure_sweep

@@ -16,8 +16,8 @@ from prefect.client.schemas.filters import (
     FlowRunFilterTags,
 )
 
+from crucible.grid.spec import SweepSpec
 from crucible.registry.reporting import ApiClient
-from crucible.spec import SweepSpec
 from flows.sweep_flow import cell_run_name, failure_sweep
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from prefect.client.schemas.filters import (
 )
 from prefect.runner import Runner
 
+from crucible.grid.spec import SweepSpec
 from crucible.registry.reporting import ApiClient
-from crucible.spec import SweepSpec
 from flows.run_flow import train_run
 from flows.sweep_flow import TRAIN_RUN_DEPLOYMENT, cell_run_name, failure_sweep
 

@@ -8,8 +8,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from crucible.grid.spec import SweepSpec
 from crucible.registry.reporting import ApiClient
-from crucible.spec import SweepSpec
 from flows.sweep_flow import failure_sweep
 
 pytestmark = pytest.mark.integration
@@ -108,7 +108,7 @@ def test_seeds_by_precision_add_seeds_only_while_a_cell_is_wider_than_the_target
 
 def test_a_study_grid_with_a_labelled_block_runs_as_one_sweep(prefect_harness: None,
                                                               flow_client: ApiClient) -> None:
-    """A study's grid (crucible.spec): a labelled block of MAPL's sender decode beside the
+    """A study's grid (crucible.grid.spec): a labelled block of MAPL's sender decode beside the
     unlabelled cells at the same arm, strategy and p. The registry keeps them apart (its own
     robustness row), both pair with the arm's one shared baseline, and the claims read only
     the unlabelled cells."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from crucible import stats, study
-from crucible.cells import expand_cells
+from crucible.grid.cells import expand_cells
 from tests.integration.test_registry_api import _config
 
 pytestmark = pytest.mark.integration

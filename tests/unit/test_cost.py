@@ -221,8 +221,8 @@ def test_reach_interpolates_and_says_not_reached():
 
 
 def test_sweep_costs_pairs_by_seed_and_names_the_cheapest():
-    from crucible.cells import GridKey
     from crucible.cost_sweep import CostRow, sweep_costs
+    from crucible.grid.cells import GridKey
 
     def row(strategy, p, seed, losses, costs):
         curve = [{"global_step": i, "val_loss": v, "wall_s": 100.0 * c, "cost": c}

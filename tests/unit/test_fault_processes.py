@@ -228,7 +228,7 @@ def test_a_trace_runs_identity_follows_the_files_content(tmp_path):
 
 
 def test_a_study_block_may_set_the_failure_process():
-    from crucible.spec import SweepSpec
+    from crucible.grid.spec import SweepSpec
 
     spec = SweepSpec.model_validate({
         "name": "processes", "preset": "smoke", "seeds": [0],

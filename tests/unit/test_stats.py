@@ -156,8 +156,8 @@ def test_seeds_wanted_reads_widths_never_means():
 
 
 def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
-    from crucible.cells import extra_cells
-    from crucible.spec import SweepSpec
+    from crucible.grid.cells import extra_cells
+    from crucible.grid.spec import SweepSpec
 
     spec = SweepSpec(preset="smoke", arms=["ssn"], strategies=["skip", "drop"],
                      failure_probabilities=[0.1], seeds=[0, 1], max_seeds=6)
@@ -178,8 +178,8 @@ def test_a_precision_round_adds_the_lowest_free_seeds_and_their_baselines():
 
 
 def test_a_precision_round_gives_a_labelled_cell_its_blocks_overrides():
-    from crucible.cells import extra_cells
-    from crucible.spec import SweepSpec
+    from crucible.grid.cells import extra_cells
+    from crucible.grid.spec import SweepSpec
 
     spec = SweepSpec(preset="smoke", seeds=[0], max_seeds=4, grid=[
         {"arms": ["mapl"], "strategies": ["skip"], "p": [0.2]},

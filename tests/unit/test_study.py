@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from cli.study import here_arithmetic, register
 from crucible import stats, study
-from crucible.cells import Cell, GridKey, expand_cells
 from crucible.config import apply_overrides
+from crucible.grid.cells import Cell, GridKey, expand_cells
+from crucible.grid.spec import SweepSpec
 from crucible.presets import get_preset
-from crucible.spec import SweepSpec
 from crucible.study.document import _missing_count
 from crucible.study.formatting import _claim_sentence
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from crucible import stats, study
-from crucible.cells import GridKey, expand_cells
-from crucible.names import ARM_LABEL, ARMS
-from crucible.spec import SweepSpec
+from crucible.grid.cells import GridKey, expand_cells
+from crucible.grid.names import ARM_LABEL, ARMS
+from crucible.grid.spec import SweepSpec
 from crucible.stats import t_quantile
 from crucible.study.document import _missing_count
 from tests.unit.test_study import fake_summary, fill, write_spec
@@ -659,7 +659,7 @@ def test_a_precision_round_counts_the_seeds_kept_only_as_result_files(tmp_path: 
     """A study's registry can be gone (a fresh clone, another sitting): its precision round
     reads the widths from the result files too, and adds seeds that have no file, never those
     that have one."""
-    from crucible.cells import extra_cells
+    from crucible.grid.cells import extra_cells
     from flows.study_results import with_result_files
 
     spec = study.load_spec(write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0, 1]\n'

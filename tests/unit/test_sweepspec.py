@@ -6,8 +6,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from crucible.cells import expand_cells
-from crucible.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec
+from crucible.grid.cells import expand_cells
+from crucible.grid.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec
 
 
 def _error(**kwargs: object) -> str:
@@ -113,7 +113,7 @@ def test_demo_spec_is_the_advertised_grid() -> None:
 
 
 def test_a_sweep_stored_before_claims_and_precision_keeps_its_identity():
-    from crucible.spec import identity_of
+    from crucible.grid.spec import identity_of
 
     spec = SweepSpec(**DEMO_SPEC)
     stored_today = spec.model_dump(mode="json")

@@ -1,7 +1,7 @@
 """The deployments render SweepSpec as a usable Prefect UI form."""
 from __future__ import annotations
 
-from crucible.spec import DEMO_SPEC
+from crucible.grid.spec import DEMO_SPEC
 from flows.deploy import build_deployments
 
 

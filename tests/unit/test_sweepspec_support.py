@@ -5,9 +5,9 @@ import httpx
 import pytest
 
 from crucible.config import ConfigError, apply_overrides
+from crucible.grid.spec import PRESET_NAMES
 from crucible.presets import PRESETS, get_preset
 from crucible.registry.reporting import ApiUnavailable
-from crucible.spec import PRESET_NAMES
 from crucible.store import TransientStoreError
 from crucible.train import TrainingDiverged
 from flows.errors import SimulatedCrash, describe, is_transient

@@ -7,7 +7,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from crucible.spec import SweepSpec
+from crucible.grid.spec import SweepSpec
 from flows.sweep_flow import ROBUSTNESS_COLUMNS, cell_run_name, cell_tags, robustness_rows
 
 

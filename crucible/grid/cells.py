@@ -1,6 +1,6 @@
 """The cells of a sweep's or study's grid: `GridKey` (arm, strategy, p, label), `Cell` (a key
 and a seed, with the overrides that make its run) and `expand_cells`, the one order in which
-every runner takes them (crucible.spec.SweepSpec.cells).
+every runner takes them (crucible.grid.spec.SweepSpec.cells).
 
 Cells come with stable ids (`mapl-skip-p0.2-decode_sender-s1`: a study's result file names)
 and display labels (`mapl/skip/p=0.2/seed=1`: a sweep's run names), in run order: baselines,
@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES
+from crucible.grid.names import ARMS, BASELINE_STRATEGY, STRATEGIES
 
 if TYPE_CHECKING:
-    from crucible.spec import GridBlock, SweepSpec
+    from crucible.grid.spec import GridBlock, SweepSpec
 
 __all__ = ["GridKey", "Cell", "expand_cells", "grid_keys", "extra_cells"]
 

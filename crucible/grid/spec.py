@@ -14,7 +14,7 @@ the fix. `crucible study` reads the same model from TOML (`crucible.study.spec.l
 with the places its files go (`StudyFiles`).
 
 Its cells (`SweepSpec.cells()`: ids, labels, run order, the shared p = 0 baselines) are
-`crucible.cells`'s.
+`crucible.grid.cells`'s.
 
 `tags`, `notes`, `title`, `files`, how the claims are read (margins, target, `references`,
 `claims`) and `run_seeds` annotate a spec
@@ -38,8 +38,8 @@ from pydantic import (
     model_validator,
 )
 
-from crucible.cells import Cell, expand_cells
-from crucible.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
+from crucible.grid.cells import Cell, expand_cells
+from crucible.grid.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
 
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "ARMS", "STRATEGIES", "PRESET_NAMES",
            "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
@@ -436,14 +436,14 @@ class SweepSpec(BaseModel):
     @field_validator("tags")
     @classmethod
     def _tags(cls, value: list[str]) -> list[str]:
-        from crucible.tags import check_tags  # the rule REST and the CLI apply too
+        from crucible.grid.tags import check_tags  # the rule REST and the CLI apply too
 
         return check_tags(value, field="tag")
 
     @field_validator("notes")
     @classmethod
     def _notes(cls, value: str | None) -> str | None:
-        from crucible.tags import check_notes
+        from crucible.grid.tags import check_notes
 
         return check_notes(value, field="notes")
 
