@@ -51,12 +51,6 @@ class Block:
     proven: dict[str, str] = field(default_factory=dict)            # digest -> proving cell
     disproven: dict[str, str] = field(default_factory=dict)         # digest -> cell that differed
 
-    @property
-    def arithmetic(self) -> str | None:
-        """The block's one digest, recorded or proven; None when it has none or several."""
-        known = set(self.digests) | (set(self.proven) if self.undigested else set())
-        return next(iter(known)) if len(known) == 1 else None
-
     def accepts(self, digest: str) -> bool:
         """True when a cell made with `digest` pairs with this block's cells."""
         if not self.cells:
