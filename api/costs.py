@@ -1,6 +1,6 @@
 """What runs would cost (`crucible cost`): a run's cost records, one per deployment, and a
-sweep's decisions by cost computed from its runs' records by `crucible.cost_sweep` (the module
-`crucible cost` and the study document use). Routes call these and never write SQL.
+sweep's decisions by cost computed from its runs' records by `crucible.pricing.cost_sweep` (the
+module `crucible cost` and the study document use). Routes call these and never write SQL.
 """
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ def list_run_costs(session: Session, *, run_id: uuid.UUID) -> list[RunCost]:
 
 def sweep_costs(session: Session, *, sweep_id: uuid.UUID,
                 deployment: str | None = None) -> dict[str, Any]:
-    """The sweep's decisions by cost on one deployment (crucible.cost_sweep.sweep_costs) from
-    its runs' stored records; `deployment` may be left out when they have one only. Raises
+    """The sweep's decisions by cost on one deployment (crucible.pricing.cost_sweep.sweep_costs)
+    from its runs' stored records; `deployment` may be left out when they have one only. Raises
     NotFoundError (no sweep, or no run of it priced on that deployment), InvalidInputError."""
-    from crucible.cost_sweep import CostRow
-    from crucible.cost_sweep import sweep_costs as decide
     from crucible.grid.cells import GridKey
+    from crucible.pricing.cost_sweep import CostRow
+    from crucible.pricing.cost_sweep import sweep_costs as decide
 
     get_sweep(session, sweep_id=sweep_id)
     rows = session.execute(select(Run, RunCost).join(RunCost, RunCost.run_id == Run.id)

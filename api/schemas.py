@@ -401,7 +401,7 @@ class CostPoint(BaseModel):
 
 class RunCostIn(BaseModel):
     """A run's cost record on one deployment, as `crucible cost` writes it (cost.json,
-    crucible.cost.run_cost): the headline fields below are checked, the rest of the record
+    crucible.pricing.cost.run_cost): the headline fields below are checked, the rest of the record
     (breakdown_s, money, stage_step_s, ...) is kept as sent."""
     # the extra fields' names, as every key in a stored document: no NUL (Postgres)
     model_config = ConfigDict(extra="allow", allow_inf_nan=False,
@@ -409,7 +409,7 @@ class RunCostIn(BaseModel):
     __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # type: ignore[assignment]
     deployment: Text(200, 1)  # type: ignore[valid-type]
     model: Text(64, 1) = Field(description="the cost model's version "  # type: ignore[valid-type]
-                                           "(crucible.cost.COST_MODEL)")
+                                           "(crucible.pricing.cost.COST_MODEL)")
     pricing: Literal["on_demand", "spot"]
     currency: Text(16, 1)  # type: ignore[valid-type]
     wall_s: Money
@@ -430,14 +430,14 @@ class RunCostPublic(BaseModel):
     model_config = _OUT
     run_id: uuid.UUID
     deployment: str
-    model: str = Field(description="the cost model's version (crucible.cost.COST_MODEL)")
+    model: str = Field(description="the cost model's version (crucible.pricing.cost.COST_MODEL)")
     pricing: str = Field(description="on_demand or spot: the price `cost` is in")
     currency: str
     wall_s: float = Field(description="predicted wall-clock seconds on the deployment")
     accelerator_hours: float = Field(description="every provisioned accelerator for the whole "
                                                  "wall-clock, idle ones included")
     cost: float = Field(description="accelerator_hours x the price per hour of `pricing`")
-    record: dict[str, Any] = Field(description="the whole record (crucible.cost.run_cost)")
+    record: dict[str, Any] = Field(description="the whole record (crucible.pricing.cost.run_cost)")
     updated_at: datetime
 
 

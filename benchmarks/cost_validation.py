@@ -1,4 +1,4 @@
-"""The cost model (crucible.cost) against measured distributed-mode runs of this machine.
+"""The cost model (crucible.pricing.cost) against measured distributed-mode runs of this machine.
 
 Two steps, both real `crucible launch` runs (one process per replica, CPU, local store):
 
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from crucible.config import apply_overrides
-from crucible.cost import run_cost
-from crucible.deployment import load_deployment
 from crucible.distributed.launch import launch
 from crucible.presets import get_preset
+from crucible.pricing.cost import run_cost
+from crucible.pricing.deployment import load_deployment
 
 DEPLOYMENT = Path(__file__).resolve().parents[1] / "infra" / "deployments" / "this-machine.toml"
 REPLICAS = 3

@@ -1,6 +1,6 @@
 """`crucible cost RUN_OR_SWEEP --deployment FILE`: what a run (or every run of a sweep) would
-cost on a deployment (crucible.cost, crucible.cost_sweep), printed as a table, written as
-`cost.json` beside each run's `summary.json` (atomically) and, with a registry configured
+cost on a deployment (crucible.pricing.cost, crucible.pricing.cost_sweep), printed as a table,
+written as `cost.json` beside each run's `summary.json` (atomically) and, with a registry configured
 (`--api` or CRUCIBLE_API_URL), sent to it (`PUT /api/v1/runs/{id}/costs/{deployment}`).
 
 RUN_OR_SWEEP is a run folder (it holds summary.json), a sweep folder (run folders inside it;
@@ -225,9 +225,9 @@ def register(app: Any) -> None:
         accelerator-hours (idle and waiting accelerators count) and money, from what the runs
         recorded; for a sweep also the time and money to the no-failure baseline's loss and
         the cheapest strategy at each p (docs/OPERATIONS.md, "Cost of a run")."""
-        from crucible.cost import CostError, run_cost
-        from crucible.cost_sweep import CostRow, cell_key, sweep_costs
-        from crucible.deployment import DeploymentError, load_deployment
+        from crucible.pricing.cost import CostError, run_cost
+        from crucible.pricing.cost_sweep import CostRow, cell_key, sweep_costs
+        from crucible.pricing.deployment import DeploymentError, load_deployment
         from crucible.runfiles import write_json_atomic
 
         def fail(message: str) -> typer.Exit:

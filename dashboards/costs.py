@@ -1,7 +1,7 @@
 """The sweep page's cost figures: loss against wall-clock and against money per cell (arm x
 strategy x p x label, mean curve over seeds) on one deployment the sweep's runs are priced on
 (`crucible cost ... --api`; the records and the decisions are `api.costs.sweep_costs`, i.e.
-crucible.cost_sweep). The panel around them is `dashboards.pages._costs`.
+crucible.pricing.cost_sweep). The panel around them is `dashboards.pages._costs`.
 
 Pure functions from the REST shape (GET /sweeps/{ref}/costs) to Plotly figures, as the other
 figure modules; a record without evaluations gets a figure that says so.

@@ -171,7 +171,7 @@ class Event(Base):
 
 
 class RunCost(Base):
-    """What a run would cost on one deployment (crucible.cost): the record, its headline
+    """What a run would cost on one deployment (crucible.pricing.cost): the record, its headline
     numbers as columns; one row per (run, deployment name)."""
     __tablename__ = "run_costs"
 

@@ -153,7 +153,7 @@ def read_events(run_id: uuid.UUID, session: SessionDep,
             responses=write_responses(404))
 def put_cost(run_id: uuid.UUID, body: RunCostIn, session: SessionDep) -> RunCostPublic:
     """Store what the run would cost on a deployment: the record `crucible cost` writes as
-    cost.json (crucible.cost.run_cost). One record per deployment name: putting the same
+    cost.json (crucible.pricing.cost.run_cost). One record per deployment name: putting the same
     deployment again replaces it. 422 for a record without its headline fields."""
     record = body.model_dump()
     return RunCostPublic.model_validate(costs.put_run_cost(session, run_id=run_id,

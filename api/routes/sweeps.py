@@ -135,6 +135,6 @@ def sweep_costs(sweep_ref: SweepRef, session: SessionDep,
     cell (arm, strategy, p, label) over its seeds, wall-clock, money and final loss with 95%
     intervals, the time and money to reach the same-seed baseline's final loss (or "not
     reached"), the loss on the baseline's budget, the loss-against-time-and-money curve, and
-    the cheapest strategy at each p (crucible.cost_sweep). 404 when no run is priced."""
+    the cheapest strategy at each p (crucible.pricing.cost_sweep). 404 when no run is priced."""
     sweep_id = crud.resolve_sweep(session, sweep_ref).id
     return costs.sweep_costs(session, sweep_id=sweep_id, deployment=deployment)

@@ -181,7 +181,7 @@ class ApiClient:
     # ------------------------------------------------------------ costs (crucible cost)
 
     def put_run_cost(self, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
-        """PUT the run's cost record on one deployment (crucible.cost.run_cost; replaces an
+        """PUT the run's cost record on one deployment (crucible.pricing.cost.run_cost; replaces an
         earlier record of the same deployment name)."""
         return self.request("PUT", f"{_PREFIX}/runs/{run_id}/costs", json_body=record)
 

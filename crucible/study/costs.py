@@ -1,7 +1,7 @@
 """The study's "Beyond the blog: what it costs": every committed run priced on the shipped
-deployments (infra/deployments/*.toml, crucible.cost), the cells' time and money, the time and
-money to reach the no-failure baseline's final loss, the loss on the baseline's budget and the
-cheapest strategy at each p (crucible.cost_sweep), as the document's lines.
+deployments (infra/deployments/*.toml, crucible.pricing.cost), the cells' time and money, the
+time and money to reach the no-failure baseline's final loss, the loss on the baseline's budget
+and the cheapest strategy at each p (crucible.pricing.cost_sweep), as the document's lines.
 
 Deterministic: only the committed summaries and the deployment files.
 """
@@ -21,11 +21,11 @@ DEPLOYMENTS = ("cloud-8x4-on-demand", "cloud-8x4-spot", "one-gpu-h100")
 
 
 def study_costs(data: Any, deployments: Sequence[str] = DEPLOYMENTS) -> list[dict[str, Any]]:
-    """Per deployment, the sweep cost record (crucible.cost_sweep.sweep_costs) of the study's
-    committed runs, with the deployment's description."""
-    from crucible.cost import CostError, run_costs
-    from crucible.cost_sweep import CostRow, sweep_costs
-    from crucible.deployment import load_deployment
+    """Per deployment, the sweep cost record (crucible.pricing.cost_sweep.sweep_costs) of the
+    study's committed runs, with the deployment's description."""
+    from crucible.pricing.cost import CostError, run_costs
+    from crucible.pricing.cost_sweep import CostRow, sweep_costs
+    from crucible.pricing.deployment import load_deployment
 
     loaded = [load_deployment(DEPLOYMENTS_DIR / f"{name}.toml") for name in deployments]
     rows: list[list[Any]] = [[] for _ in loaded]
@@ -98,9 +98,9 @@ def cost_section(data: Any, labels: Mapping[str, str],
     matched, total = records[0].get("replayed") or (0, 0)
     out = ["## Beyond the blog: what it costs", "",
            "Every committed run priced on the shipped deployments by `crucible cost` "
-           "(crucible/cost.py: each round replayed from the run's fault plan through its own "
-           f"strategy, which gives the inner steps and donor loads {matched} of the {total} "
-           "runs recorded; a round takes its slowest "
+           "(crucible/pricing/cost.py: each round replayed from the run's fault plan through "
+           f"its own strategy, which gives the inner steps and donor loads {matched} of the "
+           f"{total} runs recorded; a round takes its slowest "
            "replica's inner steps, boundary transfers and "
            "store traffic; every provisioned accelerator is paid for the whole wall-clock, idle "
            "under drop or not). The deployments' numbers are assumptions stated in their files "

@@ -135,13 +135,13 @@ def price_section(data: StudyData, claims: Sequence[Claim],
 def gpu_estimate(spec_path: Path, deployment_path: Path) -> dict[str, Any]:
     """What a GPU study spec would cost on a deployment: per run, the tokens' 6N FLOPs at the
     deployment's measured `compute.flops_per_s`, its evaluations (held-out tokens at
-    `eval_fraction` of a training token's time, as `crucible.cost` prices them), the SparseLoCo
-    round's measured seconds scaled by the synced values (178M measured) per global step, and
-    the start-up; in all, the runs of every cell of the spec. Returns {spec, deployment, runs,
-    params, tokens, run_s, gpu_h, money (None without a price)}."""
+    `eval_fraction` of a training token's time, as `crucible.pricing.cost` prices them), the
+    SparseLoCo round's measured seconds scaled by the synced values (178M measured) per global
+    step, and the start-up; in all, the runs of every cell of the spec. Returns {spec,
+    deployment, runs, params, tokens, run_s, gpu_h, money (None without a price)}."""
     from crucible.config import apply_overrides
-    from crucible.deployment import load_deployment
     from crucible.presets import get_preset, parameter_count, tokens_per_global_step
+    from crucible.pricing.deployment import load_deployment
     from crucible.study.spec import load_spec
 
     spec = load_spec(spec_path)

@@ -46,7 +46,7 @@ def cost_panel(records: Sequence[Mapping[str, Any]]) -> str:
                 "(docs/OPERATIONS.md, \"Cost of a run\").</p></section>")
     parts = ['<section id="costs"><h2>Costs</h2>',
              "<p>Predicted by <code>crucible cost</code> from what each run recorded "
-             "(crucible/cost.py): every provisioned accelerator is paid for the whole "
+             "(crucible/pricing/cost.py): every provisioned accelerator is paid for the whole "
              "wall-clock. Target: the same-seed baseline's final loss; budget: the baseline's "
              "money.</p>"]
     for index, record in enumerate(records):

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from crucible.cost import run_cost
-from crucible.deployment import load_deployment
+from crucible.pricing.cost import run_cost
+from crucible.pricing.deployment import load_deployment
 from tests.fixtures.browser import serve_in_thread
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

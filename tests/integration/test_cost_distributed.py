@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from crucible.config import apply_overrides
-from crucible.cost import run_cost
-from crucible.deployment import load_deployment
 from crucible.distributed.launch import launch
 from crucible.presets import get_preset
+from crucible.pricing.cost import run_cost
+from crucible.pricing.deployment import load_deployment
 from tests.unit.test_cli import _crucible_here
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from crucible.cost import run_cost
-from crucible.cost_sweep import CostRow, cell_key, sweep_costs
-from crucible.deployment import load_deployment
+from crucible.pricing.cost import run_cost
+from crucible.pricing.cost_sweep import CostRow, cell_key, sweep_costs
+from crucible.pricing.deployment import load_deployment
 from crucible.registry.reporting import ApiClient, ApiError
 from tests.unit.test_cli import _crucible_here
 
@@ -70,7 +70,7 @@ def test_cost_cli_puts_records_and_the_sweep_decides_from_them(client, api_serve
     assert result.returncode == 0, result.stderr
     assert [c["deployment"] for c in client.run_costs(ids["none-skip-p0.1-s0"])] == [
         "cloud-8x4-on-demand", "cloud-8x4-spot"]
-    # the sweep's decisions: as crucible.cost_sweep decides on the local records
+    # the sweep's decisions: as crucible.pricing.cost_sweep decides on the local records
     with pytest.raises(ApiError) as info:
         client.sweep_costs(sweep["id"])
     assert info.value.status_code == 422 and "pass deployment=NAME" in str(info.value.detail)

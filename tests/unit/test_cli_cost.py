@@ -4,8 +4,8 @@ import json
 import shutil
 from pathlib import Path
 
-from crucible.cost import run_cost
-from crucible.deployment import load_deployment
+from crucible.pricing.cost import run_cost
+from crucible.pricing.deployment import load_deployment
 from tests.unit.test_cli import _crucible_here
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""The cost model (crucible.cost) against hand-computed numbers, and the deployment file's checks
-(crucible.deployment).
+"""The cost model (crucible.pricing.cost) against hand-computed numbers, and the deployment
+file's checks (crucible.pricing.deployment).
 
 The hand case: R = 2 replicas x S = 2 stages, H = 1 inner step, 2 global steps, stage step times
 1 s and 2 s, one boundary crossing of 128 tokens x 256 bytes = 32,768 bytes at 0.262144 Mbit/s
@@ -13,9 +13,14 @@ import math
 import pytest
 
 from crucible.config import apply_overrides
-from crucible.cost import CostError, run_cost
-from crucible.deployment import MAX_BYTES, DeploymentError, load_deployment, parse_deployment
 from crucible.presets import get_preset
+from crucible.pricing.cost import CostError, run_cost
+from crucible.pricing.deployment import (
+    MAX_BYTES,
+    DeploymentError,
+    load_deployment,
+    parse_deployment,
+)
 
 HAND = {
     "name": "hand", "pricing": "on_demand",
@@ -207,7 +212,7 @@ def test_shipped_deployments_load(name):
 
 
 def test_reach_interpolates_and_says_not_reached():
-    from crucible.cost_sweep import loss_at_money, reach
+    from crucible.pricing.cost_sweep import loss_at_money, reach
 
     curve = [{"val_loss": 5.0, "wall_s": 10.0, "cost": 1.0},
              {"val_loss": 3.0, "wall_s": 30.0, "cost": 3.0},
@@ -221,8 +226,8 @@ def test_reach_interpolates_and_says_not_reached():
 
 
 def test_sweep_costs_pairs_by_seed_and_names_the_cheapest():
-    from crucible.cost_sweep import CostRow, sweep_costs
     from crucible.grid.cells import GridKey
+    from crucible.pricing.cost_sweep import CostRow, sweep_costs
 
     def row(strategy, p, seed, losses, costs):
         curve = [{"global_step": i, "val_loss": v, "wall_s": 100.0 * c, "cost": c}

@@ -1,5 +1,5 @@
 """What a run would cost on a deployment: wall-clock time, accelerator-hours and money, from
-what the run recorded (its `summary.json`) and a `Deployment` (crucible.deployment).
+what the run recorded (its `summary.json`) and a `Deployment` (crucible.pricing.deployment).
 
 `run_cost(summary, deployment)` is deterministic and reads nothing but its arguments. It
 replays the run round by round: the recorded fault plan through the run's own strategy
@@ -63,10 +63,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crucible.deployment import Deployment
+from crucible.pricing.deployment import Deployment
 
 __all__ = ["COST_MODEL", "CostError", "run_cost", "run_costs", "stage_step_s"]
 
+# the version every stored cost record carries (the module's first name, kept: records and REST
+# clients match it)
 COST_MODEL = "crucible.cost/1"
 
 

@@ -1,4 +1,4 @@
-"""Decisions by cost for a sweep: each cell's runs priced on one deployment (crucible.cost),
+"""Decisions by cost for a sweep: each cell's runs priced on one deployment (crucible.pricing.cost),
 then per cell (arm, strategy, p, label) over its seeds: wall-clock, money and final loss, the
 time and money to reach the no-failure baseline's final loss, the loss reached on a fixed budget
 (the baseline's money), the loss-against-time and loss-against-money curves, and the cheapest
@@ -39,7 +39,7 @@ class CostRow:
     key: GridKey
     seed: int
     name: str
-    cost: Mapping[str, Any]          # crucible.cost.run_cost's record
+    cost: Mapping[str, Any]          # crucible.pricing.cost.run_cost's record
 
 
 def cell_key(summary: Mapping[str, Any], label: str = "") -> GridKey:

@@ -1,5 +1,5 @@
 """A deployment as data: the machines a run would occupy, read from a TOML file
-(infra/deployments/*.toml) and checked field by field, for the cost model (crucible.cost).
+(infra/deployments/*.toml) and checked field by field, for the cost model (crucible.pricing.cost).
 
 A deployment says how fast each pipeline stage computes (seconds per inner step per stage, or
 sustained FLOP/s per stage from which the run's own model size gives the step time), the
