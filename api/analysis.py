@@ -65,8 +65,9 @@ def sweep_claims(session: Session, *, sweep_id: uuid.UUID,
 
 def _claim_choices(spec: dict[str, Any]) -> tuple[stats.References | None, list[str] | None]:
     """The stored spec's `references` and `claims`, each validated by the spec model's own
-    field type (crucible.grid.spec.References, Claims); unset: the blog's, all five. A stored value the
-    model refuses is a 422 naming it (a sweep registered by hand with a malformed spec)."""
+    field type (crucible.grid.spec.References, Claims); unset: the blog's, all five. A stored
+    value the model refuses is a 422 naming it (a sweep registered by hand with a malformed
+    spec)."""
     from pydantic import TypeAdapter, ValidationError
 
     from crucible.grid.spec import Claims, References, reference_values

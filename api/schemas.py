@@ -302,9 +302,9 @@ class RunCreate(BaseModel):
     tags: Tags = Field(default_factory=list)
     notes: Notes | None = None  # type: ignore[valid-type]
     label: str = Field("", max_length=64, pattern=r"^([a-z0-9][a-z0-9_]*)?$",
-                       description="the study block the run belongs to (crucible.grid.spec.GridBlock."
-                                   "label: a block with baseline-neutral overrides); '' for an "
-                                   "unlabelled cell; refused on a p = 0 baseline")
+                       description="the study block the run belongs to (crucible.grid.spec."
+                                   "GridBlock.label: a block with baseline-neutral overrides); '' "
+                                   "for an unlabelled cell; refused on a p = 0 baseline")
 
 
 class RunUpdate(_TagEdits):

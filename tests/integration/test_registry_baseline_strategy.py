@@ -42,7 +42,8 @@ def test_sweep_of_drop_extend_and_reroute_shows_no_skip(registry, registry_app):
 
     sweep = registry.post(f"{V1}/sweeps", json={"name": "no phantom arms"}).json()
     sid = sweep["id"]
-    # baselines keep the sweep's pinned faults.strategy=skip in their config, as crucible/grid/spec.py does
+    # baselines keep the sweep's pinned faults.strategy=skip in their config, as
+    # crucible/grid/spec.py does
     bases = [_run(registry, sid, p=0.0, seed=s, loss=2.0 + 0.2 * s) for s in (0, 1)]
     for s in (0, 1):
         _run(registry, sid, p=0.1, seed=s, loss=(2.0 + 0.2 * s) * 1.10, strategy="drop_extend")
