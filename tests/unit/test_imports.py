@@ -1,6 +1,7 @@
 """Import hygiene: the processes that never train (the API, the dashboards, `crucible api`,
-`crucible presets --json`) never import torch, and crucible's modules import each other without
-a cycle at module top level.
+`crucible presets --json`) never import torch, nor do the library's torch-free rooms (grid,
+pricing, runfiles, registry), and crucible's modules import each other without a cycle at
+module top level.
 
 The torch checks run each entry point in a fresh interpreter: this test process (conftest) has
 torch loaded already.
@@ -123,8 +124,13 @@ def _imports(tree: ast.Module, *, lazy: bool = False):
                 todo.extend(s for handler in node.handlers for s in handler.body)
 
 
+def _modules() -> dict[str, Path]:
+    """crucible's modules by dotted name."""
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
 def _import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    files = _modules()
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
@@ -269,3 +275,44 @@ def test_runfiles_imports_only_the_standard_library():
     assert not found, f"crucible/runfiles.py imports outside the standard library: {found}"
     loaded, _ = _probe("import crucible.runfiles")
     assert loaded == [], "`import crucible.runfiles` imports torch"
+
+
+# --- the torch-free rooms of the library ----------------------------------------------------
+
+# what the API, the dashboards, the flows and the command line import: never torch
+TORCH_FREE_ROOMS = ("crucible.grid", "crucible.pricing", "crucible.runfiles", "crucible.registry")
+# pricing.cost's run_cost replays a run's fault plan through its strategy (torch) when asked:
+# the room imports without torch, the replay is a function-level import
+_TORCH_WHEN_ASKED = {"crucible.pricing"}
+
+
+def _room(room: str) -> list[str]:
+    return sorted(m for m in _modules() if m == room or m.startswith(room + "."))
+
+
+def _reached(graph: dict[str, set[str]], start: list[str]) -> set[str]:
+    """`start` and every crucible module it imports, directly or through others."""
+    seen, todo = set(start), list(start)
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("room", TORCH_FREE_ROOMS)
+def test_the_torch_free_rooms_never_import_torch(room):
+    """Read from the code (each room's modules and every crucible module they reach, lazy
+    imports included but for pricing's replay), then run: importing the room loads no torch."""
+    lazy = room not in _TORCH_WHEN_ASKED
+    files = _modules()
+    found = []
+    for name in sorted(_reached(_import_graph(lazy=lazy), _room(room))):
+        for node in _imports(ast.parse(files[name].read_text(), filename=str(files[name])),
+                             lazy=lazy):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
+                else [node.module or ""] if not node.level else []
+            found += [f"{name}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not found, f"{room} reaches torch:\n" + "\n".join(found)
+    loaded, _ = _probe("\n".join(f"import {m}" for m in _room(room)))
+    assert loaded == [], f"importing {room}'s modules imports torch"
