@@ -17,6 +17,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from crucible.grid.names import ARM_COLOR, ARM_LABEL, STRATEGIES, STRATEGY_DASH
+
 __all__ = ["OKABE_ITO", "STRATEGY_DASH", "STRATEGY_SYMBOL", "STRATEGY_PATTERN", "arm_color",
            "arm_label", "series_name", "rgba", "base_layout", "empty_figure", "STRATEGY_ORDER",
            "P_AXIS_TITLE", "BASELINE_LABEL", "finite", "group_order", "legend_below"]
@@ -24,12 +26,8 @@ __all__ = ["OKABE_ITO", "STRATEGY_DASH", "STRATEGY_SYMBOL", "STRATEGY_PATTERN", 
 # Okabe-Ito without yellow (#F0E442), ordered for contrast between neighbours.
 OKABE_ITO: tuple[str, ...] = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00",
                               "#56B4E9", "#000000")
-_KNOWN_ARMS: dict[str, str] = {"none": "#0072B2", "ssn": "#D55E00", "mapl": "#009E73"}
-_ARM_LABELS: dict[str, str] = {"none": "uncompressed", "ssn": "SSN", "mapl": "MAPL"}
-
-STRATEGY_ORDER: tuple[str, ...] = ("skip", "drop", "drop_extend", "reroute")
-STRATEGY_DASH: dict[str, str] = {"skip": "solid", "drop": "dash", "drop_extend": "dot",
-                                 "reroute": "dashdot"}
+# the arms' colours and labels, the strategies' order and dash styles: crucible.grid.names's
+STRATEGY_ORDER: tuple[str, ...] = STRATEGIES
 STRATEGY_SYMBOL: dict[str, str] = {"skip": "circle", "drop": "square", "drop_extend": "diamond",
                                    "reroute": "triangle-up"}
 # Fill patterns for the fault timeline's bars (empty = solid fill).
@@ -40,8 +38,8 @@ FONT_FAMILY = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, s
 
 def arm_color(compression: str) -> str:
     """The colour of a compression arm: fixed for the known arms, stable for any other name."""
-    if compression in _KNOWN_ARMS:
-        return _KNOWN_ARMS[compression]
+    if compression in ARM_COLOR:
+        return ARM_COLOR[compression]
     # A stable, process-independent pick (hash() is salted per process).
     index = sum(compression.encode()) % len(OKABE_ITO)
     return OKABE_ITO[index]
@@ -49,7 +47,7 @@ def arm_color(compression: str) -> str:
 
 def arm_label(compression: str) -> str:
     """The human name of a compression arm (`none` reads as `uncompressed`)."""
-    return _ARM_LABELS.get(compression, compression)
+    return ARM_LABEL.get(compression, compression)
 
 
 def series_name(compression: str, strategy: str) -> str:

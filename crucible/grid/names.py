@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = ["Compression", "BypassDecode", "BYPASS_DECODES", "Strategy", "RunStatus", "SweepStatus", "ARMS", "STRATEGIES",
-           "ARM_LABEL", "BASELINE_STRATEGY", "RUN_STATUSES", "SWEEP_STATUSES",
+           "ARM_LABEL", "ARM_COLOR", "STRATEGY_DASH", "BASELINE_STRATEGY", "RUN_STATUSES", "SWEEP_STATUSES",
            "UNFINISHED_STATUSES", "FINAL_STATUSES", "COMPLETED", "FAILED", "CANCELLED",
            "PENDING", "QUEUED", "RUNNING"]
 
@@ -25,6 +25,11 @@ ARMS: tuple[str, ...] = get_args(Compression)
 BYPASS_DECODES: tuple[str, ...] = get_args(BypassDecode)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 ARM_LABEL: dict[str, str] = {"none": "uncompressed", "ssn": "SSN", "mapl": "MAPL"}
+# how every figure draws them (the dashboards and the study document): an Okabe-Ito colour per
+# arm, a dash style per strategy, so a curve stays identifiable in greyscale too
+ARM_COLOR: dict[str, str] = {"none": "#0072B2", "ssn": "#D55E00", "mapl": "#009E73"}
+STRATEGY_DASH: dict[str, str] = {"skip": "solid", "drop": "dash", "drop_extend": "dot",
+                                 "reroute": "dashdot"}
 # the strategy a p = 0 baseline is run with: irrelevant (nothing fails), pinned so that its
 # resolved config, and so its fingerprint, is one whatever a sweep lists
 BASELINE_STRATEGY = "skip"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from crucible.grid.cells import GridKey
-from crucible.grid.names import ARM_LABEL, ARMS
+from crucible.grid.names import ARM_COLOR, ARM_LABEL, ARMS, STRATEGY_DASH
 from crucible.grid.spec import SweepSpec
 from crucible.runfiles import write_bytes_atomic
 from crucible.stats import BLOG_SKIP, CLAIM_PS, TABLE1_ARMS
@@ -26,8 +26,6 @@ def figure_files(spec: SweepSpec) -> dict[str, Path]:
             "alignment": spec.figures_dir / f"{spec.name}-alignment.png"}
 
 
-_COLORS = {"none": "#0072B2", "ssn": "#D55E00", "mapl": "#009E73"}
-_DASH = {"skip": "solid", "drop": "dash", "drop_extend": "dot", "reroute": "dashdot"}
 _FONT = "DejaVu Sans, Liberation Sans, Arial, sans-serif"
 
 
@@ -48,7 +46,7 @@ def build_figures(data: StudyData) -> dict[str, Any]:
     fig = make_subplots(rows=1, cols=len(arms), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=[ARM_LABEL[a] for a in arms])
     for col, arm in enumerate(arms, start=1):
-        color = _COLORS[arm]
+        color = ARM_COLOR[arm]
         for strategy in ("skip", "drop"):
             points = [(0.0, 0.0, 0.0, 0.0, len(data.baseline(arm)))]
             for p in sorted(k.p for k in data.grid() if k.arm == arm
@@ -72,7 +70,7 @@ def build_figures(data: StudyData) -> dict[str, Any]:
                 x=xs, y=[pt[1] for pt in points], mode="lines+markers",
                 name=f"{strategy} ({'solid' if strategy == 'skip' else 'dashed'})",
                 showlegend=col == 1, legendgroup=strategy,
-                line={"color": color, "dash": _DASH[strategy], "width": 2.5},
+                line={"color": color, "dash": STRATEGY_DASH[strategy], "width": 2.5},
                 marker={"size": 8, "color": color,
                         "symbol": ["circle" if pt[4] >= 2 else "circle-open"
                                    for pt in points]}), row=1, col=col)
@@ -114,9 +112,9 @@ def build_figures(data: StudyData) -> dict[str, Any]:
             if names:
                 extras.add_trace(go.Scatter(
                     x=names, y=means, mode="markers", name=ARM_LABEL[arm],
-                    marker={"size": 10, "color": _COLORS[arm]},
+                    marker={"size": 10, "color": ARM_COLOR[arm]},
                     error_y={"type": "data", "array": plus, "arrayminus": minus,
-                             "color": _COLORS[arm], "thickness": 2, "width": 6}))
+                             "color": ARM_COLOR[arm], "thickness": 2, "width": 6}))
     extras.add_hline(y=0.0, line={"color": "#999", "width": 1})
     extras.update_layout(template="plotly_white", font={"family": _FONT, "size": 14},
                          title={"text": "All strategies and variants at "
@@ -127,7 +125,7 @@ def build_figures(data: StudyData) -> dict[str, Any]:
     figures = {"figure3": fig, "extras": extras}
     from crucible.study.alignment import alignment_figure
 
-    aligned = alignment_figure(data, _COLORS, ARM_LABEL, _FONT)
+    aligned = alignment_figure(data, ARM_COLOR, ARM_LABEL, _FONT)
     if aligned is not None:
         figures["alignment"] = aligned
     return figures
