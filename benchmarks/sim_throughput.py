@@ -14,14 +14,20 @@ interleaved inside each Crucible run - H reference steps after every global step
 taken out of the run's wall time - so a change in machine speed (this machine is shared) hits
 both sides of a pair alike; `--separate` alternates whole runs instead, as the first version of
 this benchmark did. Each (arm, repeat) gives one pair; the median of the pairs' ratios is
-reported. `ratio` is the worst arm's median ratio (the goal is >= 0.9).
+reported. `ratio` is the worst arm's median ratio (the goal is >= 0.9). Each arm also gets
+`ratio_loop`: the same pairs with the Crucible side timed as the summary's `wall_s` times a run,
+the training loop without the end-of-run reports (`alignment_report` in every run without
+faults, MAPL's basis report), whose cost is fixed per run and so weighs 3x more in a 10-step
+run than in the preset's 30.
 
     python -m benchmarks.sim_throughput --preset small --json
     python -m benchmarks.sim_throughput --preset smoke --repeats 3 --threads 1 --phases
 
 `--global-steps` shortens a run (throughput per step does not depend on the run length beyond
 the warm-up, evaluation and checkpoint cadence, which stay the preset's). `--phases` adds where a
-Crucible run's wall time goes (inner steps, outer sync, evaluation, callback flush, checkpoint).
+Crucible run's wall time goes (inner steps, outer sync, evaluation, callback flush, checkpoint,
+and `other`: the rest of the run, the end-of-run reports included) and the summary's own
+`timing` (the round's phases encode/upload/decode/aggregate/outer, the reports' seconds).
 """
 from __future__ import annotations
 
@@ -130,11 +136,22 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
         sink.close()
     result: dict[str, Any] = {"tokens": summary["tokens_processed"], "wall_s": elapsed,
                               "tokens_per_s": summary["tokens_processed"] / elapsed}
+    # the training loop alone, as the summary's `wall_s` counts it: without the end-of-run
+    # reports (alignment, MAPL bases, tail average) that `run` adds after the last step
+    loop_s = summary["wall_s"] - ref_s
+    result.update(loop_s=loop_s, reports_s=elapsed - loop_s,
+                  loop_tokens_per_s=summary["tokens_processed"] / loop_s)
     if reference is not None:
         steps = reference.done - 1  # less the warm-up step
         result["reference_tokens_per_s"] = steps * reference.tokens_per_step / ref_s
     if phases:
         result["phases_s"] = dict(timings)
+        # what the loop's phases leave out: the end-of-run reports (alignment, MAPL bases,
+        # tail average) and the loop's own bookkeeping
+        result["phases_s"]["other"] = elapsed - sum(timings.values())
+        # the run's own timing (summary.json `timing`: the round's phases, the reports')
+        result["timing_s"] = {k: v for k, v in summary.get("timing", {}).items()
+                              if isinstance(v, (int, float))}
     return result
 
 
@@ -144,7 +161,9 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
     `interleave` (the default) the reference runs inside each Crucible run, H steps after every
     global step; otherwise whole reference runs alternate with whole Crucible runs."""
     pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    loop_pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     phase_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    timing_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for rep in range(repeats):
         for arm in arms:
             config = arm_config(preset, arm, global_steps=global_steps)
@@ -158,11 +177,21 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
                 ref = reference_tokens_per_s(config, steps=steps)
                 run = crucible_run(config, phases=phases, scratch=scratch)
             pairs[arm].append((run["tokens_per_s"], ref))
+            loop_pairs[arm].append((run["loop_tokens_per_s"], ref))
             if phases:
                 phase_runs[arm].append({**run["phases_s"], "total": run["wall_s"]})
+                timing_runs[arm].append(run["timing_s"])
             log.info("repeat %d arm %s: crucible %.0f tok/s, reference %.0f tok/s, ratio %.3f",
                      rep, arm, run["tokens_per_s"], ref, run["tokens_per_s"] / ref)
     result = _summarise(preset, arms, pairs, phase_runs, global_steps)
+    for arm in arms:
+        # the loop alone (without the end-of-run reports): the ratio the summary's wall_s gives
+        result["arms"][arm]["ratio_loop"] = statistics.median(c / r for c, r in loop_pairs[arm])
+        result["arms"][arm]["ratios_loop"] = [round(c / r, 4) for c, r in loop_pairs[arm]]
+        if timing_runs[arm] and timing_runs[arm][0]:
+            names = set.intersection(*(set(t) for t in timing_runs[arm]))
+            result["arms"][arm]["timing_s"] = {
+                n: statistics.median(t[n] for t in timing_runs[arm]) for n in sorted(names)}
     result["interleaved"] = interleave
     return result
 
@@ -194,7 +223,7 @@ def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, 
         "tokens_per_inner_step": config.replicas * config.train.batch_size * config.model.seq_len,
         "repeats": len(next(iter(pairs.values()))), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
+        "load_avg_1m": os.getloadavg()[0], "load_avg": list(os.getloadavg()),
     }
 
 

@@ -121,9 +121,10 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
         ids, targets = ids[None].to(device), targets[None].to(device)
         outputs: dict[int, torch.Tensor] = {}
         inputs: dict[int, torch.Tensor] = {}
+        messages: dict[int, torch.Tensor] = {}
         with trainer._autocast():
             intact_parts.append(model(ids, targets, select=select, taps=outputs, inputs=inputs,
-                                      per_sequence=True)[0].double().cpu())
+                                      messages=messages, per_sequence=True)[0].double().cpu())
         for s in inner:
             x_in, x_out = inputs[s][0].flatten(0, 1), outputs[s][0].flatten(0, 1)
             moments[s].add(x_in, x_out)
@@ -133,10 +134,13 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
         for s in inner:
             skip = bypass_mask(S, s, device)
             for decode in decodes:
+                # stages 0..s-1 computed what the intact forward did: start from the message
+                # they sent (the same losses, bit for bit, as the whole bypassed forward)
                 with decoding(model, decode), trainer._autocast():
-                    losses = model(ids, targets, select=select, bypass=skip,
-                                   per_sequence=True)[0]
+                    losses = model(ids, targets, select=select, bypass=skip, per_sequence=True,
+                                   resume=(s, messages[s - 1]))[0]
                 skipped_parts.setdefault((s, decode), []).append(losses.double().cpu())
+        del messages
     intact = torch.cat(intact_parts)
     stages = []
     for s in inner:

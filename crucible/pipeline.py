@@ -107,13 +107,24 @@ class ReplicatedPipeline(nn.Module):
                 route: dict[int, torch.Tensor] | None = None, select: torch.Tensor | None = None,
                 passthrough: bool = False, per_sequence: bool = False,
                 taps: dict[int, torch.Tensor] | None = None,
-                inputs: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                inputs: dict[int, torch.Tensor] | None = None,
+                messages: dict[int, torch.Tensor] | None = None,
+                resume: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Per-replica mean loss (R',) for ids/targets (R', B, T), or (R', B) per sequence.
 
         `passthrough=True` replaces every encode/decode by the identity (a reference model with
         the same weights and no codec, for tests). `taps`, when given, receives each boundary's
         activation before encoding: {boundary s: X (R', B, T, d)}; `inputs` each stage's residual
-        stream after decoding its message: {stage s > 0: X (R', B, T, d)}."""
+        stream after decoding its message: {stage s > 0: X (R', B, T, d)}; `messages` what
+        crossed each boundary: {boundary s: message}. `resume=(s, message)` starts at stage s > 0
+        from the message that crossed boundary s-1 (one that `messages` took from an earlier
+        forward of the same ids and weights): stages 0..s-1 are not run again, and the result is
+        the same, bit for bit, as the whole forward's.
+
+        Without gradients or autocast, and with no `taps`/`inputs` asked for, a stage that every
+        selected replica bypasses is not computed at all (its output would be replaced whole by
+        the bypass): the same values, bit for bit. With gradients it is, so that its parameters
+        get their (zero) gradients as before."""
         route = route or {}
         if bypass is not None and bypass.any():
             assert not bypass[:, 0].any() and not bypass[:, -1].any(), "only inner stages bypass"
@@ -121,10 +132,23 @@ class ReplicatedPipeline(nn.Module):
         fixed = self.fixed
         rope = (self.rope_cos, self.rope_sin)
         kind = "none" if passthrough else self.kind
-        x = embed_forward(params[0], ids, subspace=fixed.subspace if self.kind == "ssn" else None,
-                          token_table=fixed.token_table)
-        message = None
-        for s in range(self.S):
+        first = 0 if resume is None else resume[0]
+        assert resume is None or 0 < first < self.S, f"resume at stage {first} of {self.S}"
+        skip_whole = (bypass is not None and taps is None and inputs is None
+                      and not torch.is_grad_enabled()
+                      and not torch.is_autocast_enabled(ids.device.type))
+        if resume is None:
+            x = embed_forward(params[0], ids, subspace=fixed.subspace if self.kind == "ssn" else None,
+                              token_table=fixed.token_table)
+            message = None
+        else:
+            x, message = None, resume[1]
+        for s in range(first, self.S):
+            if skip_whole and 0 < s < self.S - 1 and bool(bypass[:, s].all()):  # type: ignore[index]
+                message = self._bypassed(message, params, s)
+                if messages is not None:
+                    messages[s] = message
+                continue
             if s > 0:
                 x = boundary.decode(kind, message, ids, receiver=params[s], stage=s,
                                     basis=self._decode_basis(params, s, bypass), fixed=fixed)
@@ -142,6 +166,8 @@ class ReplicatedPipeline(nn.Module):
                 keep = bypass[:, s][:, None, None, None]
                 sent = torch.where(keep, self._bypassed(message, params, s), sent)
             message = sent
+            if messages is not None:
+                messages[s] = message
         raise AssertionError("unreachable: the last stage returns")
 
     def window_losses(self, ids: torch.Tensor, targets: torch.Tensor, *,

@@ -139,3 +139,54 @@ def test_report_windows_are_evenly_spaced_and_batched(tmp_path: Path) -> None:
     for i in range(0, 300, 64):
         moments.add(x[i:i + 64], y[i:i + 64])
     assert moments.cka() == pytest.approx(linear_cka(x, y), rel=1e-10)
+
+
+def _whole_forward(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> None:
+    """`model`'s forward as before the shortcuts: every stage computed from the embedding on
+    (a `taps` dict turns the bypassed stage's shortcut off; `resume` is ignored)."""
+    forward = type(model).forward
+
+    def whole(self, *args, resume=None, taps=None, **kwargs):
+        return forward(self, *args, taps={} if taps is None else taps, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", whole)
+
+
+@pytest.mark.parametrize("compression", ["none", "ssn", "mapl"])
+def test_bypassed_forwards_resumed_and_shortcut_are_the_whole_forward_bit_for_bit(
+        tmp_path: Path, compression) -> None:
+    from crucible.evaluation import bypass_mask, decoding
+
+    trainer = _trained(tmp_path, compression)
+    model, S = trainer.model, trainer.S
+    select = torch.tensor([0])
+    ids, targets = next(iter(trainer.validation))
+    ids, targets = ids[None], targets[None]
+    decodes = ("identity", "sender", "receiver") if compression == "mapl" else (None,)
+    with torch.no_grad():
+        messages: dict[int, torch.Tensor] = {}
+        intact = model(ids, targets, select=select, messages=messages, per_sequence=True)
+        assert torch.equal(intact, model(ids, targets, select=select, per_sequence=True))
+        assert sorted(messages) == list(range(S - 1))
+        for s in range(1, S - 1):
+            skip = bypass_mask(S, s, "cpu")
+            for decode in decodes:
+                with decoding(model, decode):
+                    whole = model(ids, targets, select=select, bypass=skip, per_sequence=True,
+                                  taps={})
+                    shortcut = model(ids, targets, select=select, bypass=skip, per_sequence=True)
+                    resumed = model(ids, targets, select=select, bypass=skip, per_sequence=True,
+                                    resume=(s, messages[s - 1]))
+                assert not torch.equal(whole, intact)
+                assert torch.equal(shortcut, whole) and torch.equal(resumed, whole)
+
+
+@pytest.mark.parametrize("compression", ["none", "mapl"])
+def test_report_is_the_one_of_whole_forwards_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression) -> None:
+    trainer = _trained(tmp_path, compression)
+    report = alignment_report(trainer, windows=64)
+    _whole_forward(monkeypatch, trainer.model)
+    whole = alignment_report(trainer, windows=64)
+    report.pop("seconds"), whole.pop("seconds")
+    assert report == whole
