@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,30 @@ def _parse_seeds(text: str | None, spec: SweepSpec) -> list[int] | None:
     return seeds
 
 
+def _same_arithmetic(spec: SweepSpec, todo: list[Cell], adoptable: dict[str, str]
+                     ) -> dict[str, str]:
+    """The adoptions that keep each seed's block within one arithmetic: where cells of a seed
+    are still to run here, an identical run of a `reuse` spec joins the block only when it
+    records this machine's digest (otherwise the cell runs here)."""
+    from crucible.arithmetic import digest_of
+    from crucible.study.spec import load_spec as load
+
+    sources = {other.name: other for other in (load(path) for path in spec.files.reuse)}
+    here = here_arithmetic()
+    running = {c.seed for c in todo if c.id not in adoptable}
+    kept = {}
+    for cell in todo:
+        source = adoptable.get(cell.id)
+        if source is None:
+            continue
+        if cell.seed in running:
+            path = sources[source].results_dir / f"{cell.id}.json"
+            if digest_of(json.loads(path.read_text(encoding="utf-8"))) != here:
+                continue
+        kept[cell.id] = source
+    return kept
+
+
 def register(app: Any) -> None:
     """Add the `crucible study run|render` commands to the `crucible` command line."""
     import typer
@@ -136,7 +161,11 @@ def register(app: Any) -> None:
             refused: dict[int, str] = {}
             if not allow_mixed:
                 todo, refused = arithmetic_check(spec, todo, explicit_seeds=seeds is not None)
-            adopted = adopt_results(spec, todo, write=not dry_run)
+            adoptable = adopt_results(spec, todo, write=False)
+            if not allow_mixed:
+                adoptable = _same_arithmetic(spec, todo, adoptable)
+            adopted = adopt_results(spec, [c for c in todo if c.id in adoptable],
+                                    write=not dry_run)
         except (StudyError, ConfigError) as exc:
             raise fail(str(exc)) from None
         if adopted:
@@ -147,7 +176,8 @@ def register(app: Any) -> None:
             typer.echo(f"study {spec.name}: seed {seed} left out: {refused[seed]}", err=True)
         if refused:     # the flow runs exactly the cells this machine may add
             spec = for_run(spec, jobs=jobs, cells=[cell.id for cell in todo] or ["-"])
-        left_out = f", {len(cells) - len(done) - len(todo)} left out" if refused else ""
+        left_out = (f", {len(cells) - len(done) - len(todo) - len(adopted)} left out"
+                    if refused else "")
         typer.echo(f"study {spec.name}: {len(cells)} cells, {len(done) + len(adopted)} already in "
                    f"{spec.shown(spec.results_dir)} (skipped){left_out}, {len(todo)} to run"
                    + ("" if dry_run or not todo else f", {jobs} at a time"))

@@ -98,10 +98,19 @@ def probe() -> dict[str, Any]:
             "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}}
 
 
-def arithmetic() -> dict[str, Any]:
-    """`probe()`, computed once per process for its thread count and kernel environment."""
+def arithmetic(device: Any = None) -> dict[str, Any]:
+    """`probe()`, computed once per process for its thread count and kernel environment. A run
+    on another device than the CPU (`device`, a torch.device or its name) is not identified:
+    the probe runs the CPU's kernels, so its digest is None and `device` names what the run
+    used (its blocks then need a proof, like results made before the probe)."""
     import torch
 
+    if device is not None and torch.device(device).type != "cpu":
+        kind = torch.device(device)
+        name = torch.cuda.get_device_name(kind) if kind.type == "cuda" else str(kind)
+        return {"digest": None, "probe": PROBE_VERSION, "device": f"{kind} ({name})",
+                "unidentified": f"the probe runs on the CPU; a run on {kind.type} is not "
+                                "identified by it"}
     key = (torch.get_num_threads(), tuple(os.environ.get(k) for k in KERNEL_ENV))
     if key not in _cached:
         _cached[key] = probe()
@@ -121,13 +130,14 @@ def digest_of(summary: dict[str, Any]) -> str | None:
 
 
 def main() -> None:
-    """`python -m crucible.arithmetic`: print this machine's probe as JSON."""
+    """`python -m crucible.arithmetic`: print this machine's probe as JSON (one torch thread,
+    as the study's runs; CRUCIBLE_TORCH_THREADS=N for N)."""
     import json
     import time
 
     import torch
 
-    torch.set_num_threads(int(os.environ.get("CRUCIBLE_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("CRUCIBLE_TORCH_THREADS", "1")))
     started = time.perf_counter()
     result = probe()
     result["seconds"] = round(time.perf_counter() - started, 3)

@@ -183,10 +183,15 @@ class Trainer(Evaluation):
     def tail_first_step(self) -> int:
         """The first outer step (1-based, as `next_step` counts them) whose global weights the
         tail average takes: the last ceil(tail_average x global_steps) of the planned steps
-        (drop_extend: and every step it adds)."""
+        (drop_extend: and every step it adds, so its tail is longer than its baseline's). MAPL's
+        averaged bases are scored as they are, slightly off the Stiefel manifold."""
         share = self.config.train.tail_average
         steps = self.config.train.global_steps
-        return steps - max(1, math.ceil(share * steps)) + 1 if share > 0 else steps + 1
+        if share <= 0:
+            return steps + 1
+        # the float product, as the estimand pilot's runs took it: 0.1 x 60 = 6.000000000000001,
+        # so their tail is 7 steps (the summary's tail_average.steps says how many)
+        return steps - max(1, math.ceil(share * steps)) + 1
 
     @torch.no_grad()
     def _add_to_tail(self) -> None:
@@ -527,7 +532,7 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
     summary["versions"] = _versions(trainer.device)
     # the arithmetic it trained with, by what it computes (crucible.arithmetic): a study pairs
     # cells only within one arithmetic
-    summary["arithmetic"] = arithmetic()
+    summary["arithmetic"] = arithmetic(trainer.device)
     # the corpus by content, never by path: hashed once, when the summary is written (not in
     # every Trainer's start-up; the splits are the stream's two consecutive parts)
     summary["data_digest"] = token_digest(trainer.data.train.numpy(), trainer.data.val.numpy())

@@ -100,6 +100,9 @@ def check_distributed(config: Config) -> None:
     if config.train.checkpoint_every:
         raise ConfigError("train.checkpoint_every must be 0 in distributed mode: a replica "
                           "restarts from the global weights in the store, not a checkpoint")
+    if config.train.tail_average:
+        raise ConfigError("train.tail_average must be 0 in distributed mode: a restarted "
+                          "replica would lose its tail sum; use the simulator (`crucible run`)")
 
 
 class _ReplicaData:
@@ -423,7 +426,7 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     summary.update(replica=replica, restarts=life, rejoined_at=trainer.rejoined_at,
                    round_waits_s=trainer.sync.waits_s, device=str(device),
                    versions=_versions(device), data_digest=trainer.data.digest(),
-                   arithmetic=arithmetic())
+                   arithmetic=arithmetic(device))
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
     write_json_atomic(out / "summary.json", summary)
     if heartbeat is not None:

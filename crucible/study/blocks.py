@@ -60,10 +60,13 @@ class Block:
         return not self.undigested or digest in self.proven
 
     def describe(self) -> str:
-        parts = [f"{len(c)} cells of arithmetic {d}" for d, c in sorted(self.digests.items())]
+        parts = [f"{len(c)} cell{'s' if len(c) != 1 else ''} of arithmetic {d}"
+                 for d, c in sorted(self.digests.items())]
         if self.undigested:
             proven = f", proven {', '.join(sorted(self.proven))}" if self.proven else ""
-            parts.append(f"{len(self.undigested)} cells made before the probe{proven}")
+            n = len(self.undigested)
+            parts.append(f"{n} cell{'s' if n != 1 else ''} without a digest (made before the "
+                         f"probe, or on a GPU){proven}")
         return "; ".join(parts) or "empty"
 
 
@@ -94,6 +97,11 @@ def read_proof(path: Path) -> dict[str, Any]:
     if data["matches"] != (data["committed_final_val_loss"] == data["rerun_final_val_loss"]):
         raise StudyError(f"{path}: `matches` disagrees with the two losses it records; delete "
                          "it and prove again")
+    expected = f"{data['cell']}--{data['arithmetic'].removeprefix('sha256:')}.json"
+    if path.name != expected:
+        raise StudyError(f"{path}: a proof of {data['cell']} with arithmetic "
+                         f"{data['arithmetic']} is named {expected}; rename or delete it")
+    data["_path"] = str(path)
     return data
 
 
@@ -121,10 +129,31 @@ def seed_blocks(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
         else:
             block.digests.setdefault(digest, []).append(cell_id)
     for proof in proofs:
+        _check_proof_against(proof, results, seeds)
         block = blocks.setdefault(int(proof["seed"]), Block(int(proof["seed"])))
         (block.proven if proof["matches"] else block.disproven)[proof["arithmetic"]] = \
             proof["cell"]
     return blocks
+
+
+def _check_proof_against(proof: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
+                         seeds: Mapping[str, int]) -> None:
+    """A proof speaks for its seed's block only when it re-ran one of that block's results:
+    its cell has a result, of its seed, ending at the loss the proof says was committed."""
+    where = proof.get("_path", f"the proof of {proof['cell']}")
+    cell = proof["cell"]
+    result = results.get(cell)
+    if result is None:
+        raise StudyError(f"{where}: cell {cell!r} has no result; a proof re-runs a committed "
+                         "cell: delete the file and run `crucible study prove` again")
+    if seeds.get(cell, result.get("seed")) != proof["seed"]:
+        raise StudyError(f"{where}: says seed {proof['seed']} but cell {cell} is of seed "
+                         f"{seeds.get(cell, result.get('seed'))}; delete the file and prove again")
+    if result.get("final_val_loss") != proof["committed_final_val_loss"]:
+        raise StudyError(f"{where}: its committed_final_val_loss "
+                         f"{proof['committed_final_val_loss']!r} is not {cell}'s "
+                         f"{result.get('final_val_loss')!r}; the result changed since: delete the "
+                         "file and prove again")
 
 
 def refusal(spec: SweepSpec, cell: Cell, block: Block, here: str) -> str:
@@ -238,8 +267,10 @@ SOUNDNESS = (
     "failure cells) is made with one arithmetic, so each pair is a pair of twins. Seeds are "
     "exchangeable draws; the machine that made a seed's block is one more source of "
     "seed-to-seed variation, which the interval over seeds already measures. Within a pair it "
-    "costs nothing; between seeds it can only widen the spread the interval reports, never bias "
-    "a paired difference. The arithmetic is identified by what it computes "
+    "costs nothing; between seeds it widens the spread the interval reports. That it does not "
+    "bias a paired difference is an assumption (a machine's rounding shifts a trajectory as "
+    "another seed would), to be checked once blocks of two kinds hold enough seeds each. The "
+    "arithmetic is identified by what it computes "
     "(`python -m crucible.arithmetic`: a digest of a fixed probe through the simulator's "
     "kernels), not by the CPU's name.")
 
@@ -267,7 +298,7 @@ def blocks_section(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
         if block.digests:
             arithmetic = ", ".join(f"`{d}`" for d in sorted(block.digests))
         else:
-            arithmetic = "made before the probe"
+            arithmetic = "no digest (made before the probe, or on a GPU)"
         if block.undigested:
             shown = [f"proven `{d}` ({c})" for d, c in sorted(block.proven.items())]
             shown += [f"not `{d}` ({c})" for d, c in sorted(block.disproven.items())]

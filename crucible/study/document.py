@@ -142,7 +142,7 @@ def _answer(data: StudyData, claims: Sequence[Claim], setting: Mapping[str, Any]
              f"{_range(skip)}{over} and dropping the replica's tokens by "
              f"{_range(drop)}, against the blog's +0.6-0.9% and {BLOG_DROP}")
     a = by_tag.get("a")
-    every = "at every p" if len(ps) > 1 or len(arms) > 1 else f"at every p (tested at p = {at})"
+    every = "at every p" if len(ps) > 1 else f"at every p (tested at p = {at})"
     first += ("." if a is None else
               f"; the blog's \"skip costs less than drop {every}\" is {_verdict_word(a)} "
               f"here ({a.count('supports')} of {len(a.comparisons)} paired "

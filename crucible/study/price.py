@@ -56,8 +56,32 @@ def seed_seconds(data: StudyData, comparison: Comparison) -> tuple[float | None,
     return sum(fallback if w is None else w for w in parts), len(parts)
 
 
+POWER = 0.8
+
+
+def seeds_for_power(mean: float, sd: float, *, margin: float | None = None,
+                    power: float = POWER) -> int | None:
+    """The smallest n whose 95% interval would clear the comparison's boundary with probability
+    `power` if the true difference were the measured mean and the sd the measured sd:
+    gap >= (t_0.975 + t_power) sd / sqrt(n), gap the distance from the mean to the boundary (0
+    for a sign rule, the band's edge for a band rule). None beyond MAX_SEEDS or at the
+    boundary itself."""
+    from crucible.stats import t_quantile
+
+    if not (math.isfinite(mean) and math.isfinite(sd)):
+        return None
+    gap = abs(mean) if margin is None else abs(margin - abs(mean))
+    if gap == 0:
+        return None
+    for n in range(2, MAX_SEEDS + 1):
+        if gap >= (t_quantile(0.975, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n):
+            return n
+    return None
+
+
 def price(data: StudyData, comparison: Comparison) -> dict[str, Any]:
-    """One open comparison's price: {n, mean, sd, need (total seeds; None: over MAX_SEEDS),
+    """One open comparison's price, at 80% power (`seeds_for_power`): {n, mean, sd, need
+    (total seeds; None: over MAX_SEEDS),
     new (seeds to add), runs_per_seed, cpu_h (None: over MAX_SEEDS or nothing measured),
     within_budget}. A comparison with fewer than 2 seeds has no sd: its price is the seeds
     that give it one (2), and its need is unknown until then."""
@@ -67,7 +91,8 @@ def price(data: StudyData, comparison: Comparison) -> dict[str, Any]:
         need: int | None = 2
         first_sd = True
     else:
-        need = comparison.seeds_to_decide
+        need = (None if s.mean is None or s.sd is None else
+                seeds_for_power(s.mean, s.sd, margin=comparison.margin))
         first_sd = False
     new = None if need is None else max(0, need - s.n)
     cpu_h = None if new is None or per_seed is None else new * per_seed / 3600.0
@@ -92,14 +117,19 @@ def price_section(data: StudyData, claims: Sequence[Claim],
     rows = price_rows(data, claims)
     out = ["## The price of what is not decided", "",
            "Each comparison of a claim that is not decided, with its measured sd (points) and "
-           "what deciding it would take if its mean and sd stayed as measured: the seeds in all, "
-           "the seeds to add, the runs one seed takes (its failure cells and its arms' "
-           "baselines) and the CPU-hours of those runs at this study's measured mean wall_s "
-           "per cell (one torch thread per run). A comparison with one seed has no sd yet: "
-           "its price is the second seed that gives it one. Comparisons are priced alone; "
-           "those of one claim share seeds. \"Beyond this preset\": more than "
-           f"{CPU_BUDGET_H:g} CPU-hours, or more than {MAX_SEEDS} seeds. The sd of n seeds is "
-           "itself uncertain (about ±30% at 6 seeds), so read the counts as sizes.", ""]
+           "what deciding it would take if the true difference were its measured mean and the "
+           "sd its measured sd: the seeds in all for 80% power (the interval clears the "
+           "boundary in 4 of 5 repetitions; the claims table's \"seeds that would decide it\" "
+           "is the seeds at which it would clear if the mean stayed exactly as measured, about "
+           "50%), the seeds to add, the runs one new seed takes (its failure cells and its "
+           "arms' baselines: an upper bound where a seed's baseline exists already) and the "
+           "CPU-hours of those runs at this study's measured mean wall_s per cell (one torch "
+           "thread per run). A comparison with one seed has no sd yet: its price is the second "
+           "seed that gives it one. Comparisons are priced alone; those of one claim share "
+           "seeds. \"Decidable here\": at most "
+           f"{CPU_BUDGET_H:g} CPU-hours on its own; \"beyond this preset\": more, or more "
+           f"than {MAX_SEEDS} seeds. The sd of n seeds is itself uncertain (about ±30% at 6 "
+           "seeds), so read the counts as sizes.", ""]
     if not rows:
         return out + ["Every claim is decided, or no comparison is open.", ""]
     table = []
@@ -115,7 +145,7 @@ def price_section(data: StudyData, claims: Sequence[Claim],
         table.append([f"({claim.tag}) {c.label}", str(p["n"]), _num(p["mean"], "+.2f"),
                       _num(p["sd"], ".2f"), need, "-" if p["new"] is None else str(p["new"]),
                       str(p["runs_per_seed"]), _num(p["cpu_h"], ".1f"), verdict])
-    out += _table(["comparison", "n", "mean", "sd", "seeds to decide", "seeds to add",
+    out += _table(["comparison", "n", "mean", "sd", "seeds (80% power)", "seeds to add",
                    "runs a seed", "CPU-hours", "reads as"], table)
     measured = [p for _, _, p in rows if not p["first_sd"]]
     decidable = [p["cpu_h"] for p in measured if p["within_budget"]]
@@ -123,8 +153,8 @@ def price_section(data: StudyData, claims: Sequence[Claim],
     first = [p["cpu_h"] or 0.0 for _, _, p in rows if p["first_sd"]]
     out += ["", f"Of the {len(measured)} open comparisons with an sd, {len(decidable)} "
             f"{'is' if len(decidable) == 1 else 'are'} decidable within {CPU_BUDGET_H:g} "
-            f"CPU-hours each (together at most {sum(decidable):.1f} CPU-hours, less where they "
-            f"share seeds) and {beyond} {'is' if beyond == 1 else 'are'} beyond this preset; "
+            f"CPU-hours on its own (together at most {sum(decidable):.1f} CPU-hours, less where "
+            f"they share seeds) and {beyond} {'is' if beyond == 1 else 'are'} beyond this preset; "
             f"{len(first)} more have fewer than 2 seeds (an sd for all of them: at most "
             f"{sum(first):.1f} CPU-hours).", ""]
     if gpu:
@@ -153,6 +183,9 @@ def gpu_estimate(spec_path: Path, deployment_path: Path) -> dict[str, Any]:
     if deployment.flops_per_s is None:
         raise ValueError(f"{deployment_path}: compute.flops_per_s is not set; a GPU estimate "
                          "needs the measured rate")
+    if config.train.eval_tokens <= 0:
+        raise ValueError(f"{spec_path}: set train.eval_tokens (0 scores the whole held-out "
+                         "split, whose size this estimate does not know)")
     per_token_s = 6 * params / deployment.flops_per_s
     evaluations = config.train.global_steps // config.train.eval_every + 1
     eval_s = evaluations * config.train.eval_tokens * per_token_s * deployment.eval_fraction
@@ -160,8 +193,9 @@ def gpu_estimate(spec_path: Path, deployment_path: Path) -> dict[str, Any]:
     sync_s = (deployment.sync_compute_s * params / _MEASURED_SYNC_PARAMS
               * config.train.global_steps)
     run_s = train_s + sync_s + deployment.startup_s
-    gpu_h = len(cells) * run_s / 3600.0
-    hourly = deployment.price_per_hour * deployment.accelerators_per_stage
+    # one_device: accelerators_per_stage is the accelerators of the whole run
+    gpu_h = len(cells) * run_s * deployment.accelerators_per_stage / 3600.0
+    hourly = deployment.price_per_hour
     return {"spec": spec.shown(spec.path), "name": spec.name, "deployment": deployment.name,
             "deployment_path": spec.shown(deployment_path.resolve()), "runs": len(cells),
             "params": params, "tokens": tokens, "run_s": run_s, "sync_s": sync_s, "gpu_h": gpu_h,
@@ -178,8 +212,8 @@ def gpu_lines(gpu: Mapping[str, Any]) -> list[str]:
     return [f"On a GPU: `{gpu['spec']}` runs the same claims' grid at "
             f"{gpu['params'] / 1e6:.0f}M parameters and {gpu['tokens'] / 1e6:.0f}M tokens a run "
             f"({gpu['chinchilla']:.1f}x Chinchilla), {gpu['runs']} runs over {gpu['seeds']} "
-            f"seeds. On `{gpu['deployment_path']}` (its compute measured on an H200: "
-            "docs/PERFORMANCE.md, \"GPU\") a run takes about "
+            f"seeds. On `{gpu['deployment_path']}` (its measured compute: the file says where "
+            "it was measured) a run takes about "
             f"{gpu['run_s'] / 60:.0f} minutes, the whole spec about {gpu['gpu_h']:.0f} "
             f"GPU-hours{money}. An estimate, not a measurement: 6N FLOPs at the measured rate "
             "(a smaller model uses a GPU less well: a lower bound for the inner steps) and "

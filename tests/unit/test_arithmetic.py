@@ -57,8 +57,15 @@ def test_another_kernel_path_is_another_arithmetic() -> None:
 
 def test_two_threads_are_another_arithmetic() -> None:
     one = _probe_in_a_process()
-    two = _probe_in_a_process({"CRUCIBLE_THREADS": "2"})
+    two = _probe_in_a_process({"CRUCIBLE_TORCH_THREADS": "2"})
     assert two["threads"] == 2 and two["digest"] != one["digest"]
+
+
+def test_a_run_on_another_device_is_not_identified_by_the_cpu_probe() -> None:
+    meta = arithmetic.arithmetic("meta")
+    assert meta["digest"] is None and "not identified" in meta["unidentified"]
+    assert arithmetic.digest_of({"arithmetic": meta}) is None       # its blocks need a proof
+    assert arithmetic.arithmetic("cpu")["digest"] == arithmetic.arithmetic()["digest"]
 
 
 def test_digest_of_reads_a_study_result_and_a_run_summary() -> None:
@@ -121,13 +128,13 @@ def test_a_block_made_before_the_probe_needs_a_proof(tmp_path: Path) -> None:
              "machine": "x86_64, 2 CPUs", "commit": "abc"}
     folder = spec.results_dir / PROOFS_DIR
     folder.mkdir()
-    (folder / "none-base-s1--aaaa.json").write_text(json.dumps(proof))
+    (folder / f"none-base-s1--{'a' * 16}.json").write_text(json.dumps(proof))
     blocks = seed_blocks(spec, study.load_results(spec), load_proofs(spec))
     assert runnable(spec, cells, blocks, here)[0] == cells
     assert not runnable(spec, cells, blocks, "sha256:" + "b" * 16)[0]     # proven for `here` only
     # a failed re-run is kept as evidence: the refusal says the kinds differ
     other = "sha256:" + "c" * 16
-    (folder / "none-base-s1--cccc.json").write_text(json.dumps(
+    (folder / f"none-base-s1--{'c' * 16}.json").write_text(json.dumps(
         {**proof, "arithmetic": other, "matches": False, "rerun_final_val_loss": 2.01}))
     blocks = seed_blocks(spec, study.load_results(spec), load_proofs(spec))
     assert "already shown to differ" in runnable(spec, cells, blocks, other)[1][1]
@@ -137,6 +144,10 @@ def test_a_block_made_before_the_probe_needs_a_proof(tmp_path: Path) -> None:
     ({"matches": True, "rerun_final_val_loss": 2.5}, "disagrees with the two losses"),
     ({"arithmetic": "AMD"}, "must be a digest"),
     ({"rerun_final_val_loss": None}, "not a finite number"),
+    ({"seed": 1}, "says seed 1 but cell none-base-s0 is of seed 0"),
+    ({"cell": "none-base-s9"}, "has no result"),
+    ({"committed_final_val_loss": 2.5, "rerun_final_val_loss": 2.5}, "the result changed"),
+    ({"_name": "other.json"}, "is named none-base-s0--0123456789abcdef.json"),
 ])
 def test_a_bad_proof_is_refused_naming_the_file(tmp_path: Path, change: dict, needle: str
                                                 ) -> None:
@@ -146,11 +157,15 @@ def test_a_bad_proof_is_refused_naming_the_file(tmp_path: Path, change: dict, ne
     proof = {"cell": "none-base-s0", "seed": 0, "arithmetic": OTHER, "matches": True,
              "committed_final_val_loss": 2.0, "rerun_final_val_loss": 2.0,
              "machine": "x", "commit": "abc", **change}
+    name = proof.pop("_name", None)
+    if name is None:
+        digest = proof["arithmetic"].removeprefix("sha256:")
+        name = f"{proof['cell']}--{digest}.json"
     folder = spec.results_dir / PROOFS_DIR
     folder.mkdir()
-    (folder / "bad.json").write_text(json.dumps(proof))
+    (folder / name).write_text(json.dumps(proof))
     result = _run(path, "--seeds", "0")
-    assert result.exit_code == 2 and needle in result.output and "bad.json" in result.output
+    assert result.exit_code == 2 and needle in result.output and name in result.output
 
 
 def test_cells_option_selects_cells_by_pattern(tmp_path: Path) -> None:
@@ -202,3 +217,27 @@ def test_prove_re_runs_a_cell_to_the_bit_and_records_it(tmp_path: Path) -> None:
     (proof,) = load_proofs(spec)
     assert proof["matches"] and proof["arithmetic"] == made["arithmetic"]["digest"]
     assert _run(path, "--seeds", "0").exit_code == 0
+
+
+def test_an_identical_run_of_another_arithmetic_is_not_adopted_into_a_seed_run_here(
+        tmp_path: Path) -> None:
+    """`reuse`: a pilot's identical run joins a seed's block only with this machine's digest
+    when cells of that seed still run here (otherwise it runs here too)."""
+    from tests.unit.test_study_decided import PILOT
+
+    source = study.load_spec(write_spec(tmp_path, PILOT, name="pilot-x.toml"))
+    fill(source, {"none-skip-p0.2": [1.0, 2.0]}, seeds=(0, 1))     # ssn-skip not run there
+    _mark(source, "none-base-s1", OTHER)
+    _mark(source, "none-skip-p0.2-s1", OTHER)
+    main = write_spec(tmp_path, PILOT.replace('name = "pilot-x"', 'name = "main"').replace(
+        'title = "Pilot x"', 'title = "Main"\nreuse = ["pilot-x.toml"]'), name="main.toml")
+    planned = _run(main, "--seeds", "0,1")
+    assert planned.exit_code == 0, planned.output
+    to_run = sorted(line.split(":")[0].strip() for line in planned.output.splitlines()
+                    if line.startswith("  "))
+    # seed 0's none cells are this machine's: adopted; seed 1's are another's: run here
+    assert to_run == ["none-base-s1", "none-skip-p0.2-s1", "ssn-base-s0", "ssn-base-s1",
+                      "ssn-skip-p0.2-s0", "ssn-skip-p0.2-s1"]
+    assert "2 cells taken from identical runs of pilot-x" in planned.output
+    mixed = _run(main, "--seeds", "0,1", "--allow-mixed-arithmetic")    # the rule off: all 4
+    assert "4 cells taken from identical runs of pilot-x" in mixed.output

@@ -44,3 +44,20 @@ def test_a_run_resumed_inside_the_tail_ends_with_the_same_tail(tmp_path: Path) -
 def test_a_tail_outside_0_1_names_the_key(value: float) -> None:
     with pytest.raises(ConfigError, match=r"train.tail_average must be in \[0, 1\)"):
         tiny(**{"train.tail_average": value})
+
+
+def test_the_tail_leaves_a_baselines_reports_alone(tmp_path: Path) -> None:
+    """p = 0, MAPL, four stages: the alignment report and the bases' report read the model after
+    the tail's evaluation, which put the final global weights back."""
+    cfg = {"pipeline.compression": "mapl", "train.global_steps": 4}
+    plain = train(tiny(**cfg), out_dir=tmp_path / "plain")
+    tail = train(tiny(**cfg, **{"train.tail_average": 0.5}), out_dir=tmp_path / "tail")
+    assert "tail_val_loss" in tail and "alignment" in plain
+    assert tail["alignment"] == plain["alignment"] and tail["mapl_bases"] == plain["mapl_bases"]
+
+
+def test_the_distributed_mode_refuses_a_tail() -> None:
+    from crucible.distributed.worker import check_distributed
+
+    with pytest.raises(ConfigError, match="train.tail_average must be 0 in distributed mode"):
+        check_distributed(tiny(**{"train.tail_average": 0.1}))
