@@ -189,8 +189,9 @@ class Trainer(Evaluation):
         steps = self.config.train.global_steps
         if share <= 0:
             return steps + 1
-        # the float product, as the estimand pilot's runs took it: 0.1 x 60 = 6.000000000000001,
-        # so their tail is 7 steps (the summary's tail_average.steps says how many)
+        # the float product, as the estimand pilot's runs took it (0.1 x 60 = 6 steps); a share
+        # whose product rounds up (0.07 x 100 = 7.000000000000001: 8 steps) takes one step more:
+        # the summary's tail_average.steps says how many
         return steps - max(1, math.ceil(share * steps)) + 1
 
     @torch.no_grad()
