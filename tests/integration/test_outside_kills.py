@@ -47,7 +47,9 @@ def _weights(path: Path) -> list[dict[str, torch.Tensor]]:
     return torch.load(path, weights_only=True)["stages"]
 
 
-def _check_recovered(out: Path, *, killed_wall: float) -> dict:
+def _check_recovered(out: Path, *, killed_wall: float, gone_wall: float | None = None) -> dict:
+    """`gone_wall`: when the replica's last process was seen gone, where that is later than the
+    signal (an agent's kill: its orphaned worker beats on until it ends)."""
     summary = json.loads((out / "summary.json").read_text())
     dist = summary["distributed"]
     print(json.dumps(dist["recoveries"]), {r: [round(w, 2) for w in ws]
@@ -59,11 +61,11 @@ def _check_recovered(out: Path, *, killed_wall: float) -> dict:
     assert died in (AT, AT + 1)
     assert row["rejoin_step"] is not None and died < row["rejoin_step"] <= died + 2
     # the death is recorded at the dead life's last heartbeat: at most one beat (lease / 4)
-    # before the signal, never after it
+    # before the signal, never after the life's last process ended
     [recorded] = [r for r in read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
                   if r["kind"] == "kill"]
     assert not recorded["planned"] and recorded["dead_life"] == 0
-    assert killed_wall - 5.0 / 4 - 0.5 <= recorded["wall"] <= killed_wall
+    assert killed_wall - 5.0 / 4 - 0.5 <= recorded["wall"] <= (gone_wall or killed_wall)
     # the lives never overlapped: each started after the one before it had died
     starts = [r for r in read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
               if r["kind"] in ("start", "restart")]
@@ -130,8 +132,9 @@ def test_a_killed_agent_is_replaced_and_its_worker_does_not_linger(tmp_path: Pat
     killed = outside.kill(out, replica=1, what="agent")
     outside.wait_for(lambda: not Path(f"/proc/{worker}").exists(), timeout_s=10,
                      what="the orphaned worker's end")
+    gone = time.time()      # the worker may beat once more between the agent's kill and its end
     _finish(launcher)
-    _check_recovered(out, killed_wall=killed)
+    _check_recovered(out, killed_wall=killed, gone_wall=gone)
     records = read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
     assert [r["kind"] for r in records if r["kind"] == "agent_lost"] == ["agent_lost"]
 
