@@ -42,19 +42,21 @@ __all__ = ["sweep_page", "claims_panel"]
 
 
 def _sweep_banners(sweep: Mapping[str, Any], robustness: Mapping[str, Any],
-                   runs: Sequence[Mapping[str, Any]]) -> list[str]:
+                   runs: Sequence[Mapping[str, Any]], *, live: bool = False) -> list[str]:
+    """Status banners; `live`: the served page refreshes itself (an offline file cannot)."""
     banners = []
+    progress = ("this page updates itself as they do" if live else "reload to see progress")
     finished = sum(1 for r in runs if is_finished(r))
     pending = int(robustness.get("pending_runs") or 0)
     running = sweep.get("status") in {"pending", "running"} or (
         pending > 0 and sweep.get("status") not in {"cancelled", "failed"})
     if not runs:
         banners.append(banner("info", "This sweep has no runs yet. The page fills in as runs "
-                                       "finish; reload to see progress."))
+                                       f"finish; {progress}."))
     elif running:
         banners.append(banner("info", f"This sweep is still running: <b>{finished} of "
                                        f"{len(runs)}</b> runs finished. The figures show what "
-                                       "is done so far; reload to see progress."))
+                                       f"is done so far; {progress}."))
     owing = [r for r in runs if owed_count(r)]
     if owing:
         banners.append(banner("warn", f"{len(owing)} run(s) still owe records to the registry "
@@ -264,7 +266,7 @@ def sweep_page(view: Mapping[str, Any], *, plotly_tag: str,
     parts = [
         f"<h1>Sweep: {esc(name)}</h1>",
         _meta(sweep, finished, len(runs), flow_run_href),
-        *_sweep_banners(sweep, robustness, runs),
+        *_sweep_banners(sweep, robustness, runs, live=live is not None),
         claims_panel(view.get("claims") or {},
                      export_links(f"{name}-claims", claim_rows(view.get("claims") or {}),
                                   label="claims")),

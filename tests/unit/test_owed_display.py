@@ -3,6 +3,7 @@ says, and is not a finished data point in the figures."""
 from __future__ import annotations
 
 from dashboards import accounting, pages, sample
+from dashboards.pages._common import Live
 
 _TAG = pages.served_plotly_tag()
 
@@ -36,3 +37,14 @@ def test_token_and_byte_figures_leave_owing_runs_out() -> None:
     assert accounting.token_accounting(runs).data and accounting.bytes_sent(runs).data
     assert not accounting.token_accounting(owing).data
     assert not accounting.bytes_sent(owing).data
+
+
+def test_a_running_sweeps_banner_says_how_the_page_gets_its_progress() -> None:
+    """Served live, the page refreshes itself; the offline file must be reloaded."""
+    view = {"sweep": {"id": sample.SWEEP_ID, "name": "demo", "status": "running"},
+            "robustness": sample.robustness(), "table": sample.table(), "runs": sample.runs()}
+    offline = pages.sweep_page(view, plotly_tag=_TAG)
+    served = pages.sweep_page(view, plotly_tag=_TAG, live=Live("/state", "v1"))
+    assert "reload to see progress" in offline and "updates itself" not in offline
+    assert "this page updates itself as they do" in served
+    assert "reload to see progress" not in served
