@@ -116,5 +116,11 @@ def estimand_section(spec: Any, arm_label: Mapping[str, str]) -> list[str]:
 
     out += _table(["pilot", "arm", "strategy", "p", "n", "final loss", "sd", "tail-averaged",
                    "sd", "sd ratio"], table)
-    out += ["", verdict(rows), ""]
+    text = verdict(rows)
+    short = [(r["final"].n, len(r["spec"].all_seeds)) for r in rows
+             if r["final"].n < len(r["spec"].all_seeds)]
+    if short and rows and all(r["ratio"] is not None for r in rows):
+        have, want = min(short)
+        text = f"Provisional ({have} of the pilot's {want} seeds so far): " + text
+    out += ["", text, ""]
     return out

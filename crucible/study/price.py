@@ -153,7 +153,7 @@ def price_section(data: StudyData, claims: Sequence[Claim],
     first = [p["cpu_h"] or 0.0 for _, _, p in rows if p["first_sd"]]
     out += ["", f"Of the {len(measured)} open comparisons with an sd, {len(decidable)} "
             f"{'is' if len(decidable) == 1 else 'are'} decidable within {CPU_BUDGET_H:g} "
-            f"CPU-hours on its own (together at most {sum(decidable):.1f} CPU-hours, less where "
+            f"CPU-hours each on its own (together at most {sum(decidable):.1f} CPU-hours, less where "
             f"they share seeds) and {beyond} {'is' if beyond == 1 else 'are'} beyond this preset; "
             f"{len(first)} more have fewer than 2 seeds (an sd for all of them: at most "
             f"{sum(first):.1f} CPU-hours).", ""]

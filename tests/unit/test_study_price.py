@@ -96,6 +96,8 @@ def test_the_gpu_spec_is_the_claims_grid_at_chinchilla_tokens() -> None:
 def _tail_fill(spec: study.SweepSpec, final: dict[int, float], tail: dict[int, float]) -> None:
     """Baselines at 2.0 (both estimands) and skip p = 0.2 at the given degradations (%)."""
     for cell in spec.cells():
+        if cell.seed not in final:
+            continue
         path = study.result_path(spec, cell)
         path.parent.mkdir(parents=True, exist_ok=True)
         if cell.key.is_baseline:
@@ -135,6 +137,7 @@ def test_the_estimand_pilot_adopts_the_tail_only_when_its_sd_is_two_thirds(
     assert ("Qualifies as a second, labelled estimand" in text) == adopted
     assert ("Does not qualify" in text) == (not adopted)
     assert ADOPT_RATIO == pytest.approx(2 / 3)
+    assert "Provisional" not in text                   # every seed of the pilot is in
 
 
 def test_the_seed_blocks_table_names_each_seeds_arithmetic(tmp_path: Path) -> None:
@@ -171,3 +174,12 @@ p = [0, 0.1]
     assert first.startswith("At p = 0.1, skipping") and "(uncompressed)" in first
     assert "over the arms" not in first and "(tested at p = 0.1)" in first
     assert "1 of 1 paired comparison has its 95% interval below 0" in first
+
+
+def test_a_pilot_short_of_its_seeds_reads_as_provisional(tmp_path: Path) -> None:
+    pilot = study.load_spec(write_spec(tmp_path, PILOT, name="ep.toml"))
+    _tail_fill(pilot, {0: 1.0, 1: 3.0, 2: 0.0}, {0: 1.2, 1: 1.8, 2: 1.0})
+    main = study.load_spec(write_spec(tmp_path, GRID.replace(
+        'seeds = [0, 1, 2, 3]\n', 'seeds = [0, 1, 2, 3]\nestimand = ["ep.toml"]\n')))
+    text = "\n".join(estimand_section(main, {"none": "uncompressed"}))
+    assert "Provisional (3 of the pilot's 4 seeds so far): " in text
