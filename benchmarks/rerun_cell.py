@@ -13,33 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import uuid
 from pathlib import Path
 
 import torch
 
-from crucible.config import Config
-from crucible.data import token_digest
-from crucible.events import JsonlCallback
-from crucible.store import LocalStore
+from crucible.study.blocks import rerun as rerun_result
 from crucible.study.runner import machine_description
-from crucible.train import Trainer
 
 
 def rerun(path: Path, out: Path) -> dict[str, object]:
     committed = json.loads(path.read_text())
-    folder = out / f"{path.stem}-{uuid.uuid4().hex[:8]}"
-    trainer = Trainer(Config.from_dict(committed["config"]), store=LocalStore(folder / "store"),
-                      run_key="rerun", callback=JsonlCallback(folder))
-    summary = trainer.run()
-    trainer.callback.close()
-    shutil.rmtree(folder, ignore_errors=True)
+    summary = rerun_result(committed, out / f"{path.stem}-{uuid.uuid4().hex[:8]}")
     return {"cell": str(path), "committed": committed["final_val_loss"],
             "rerun": summary["final_val_loss"],
             "equal": committed["final_val_loss"] == summary["final_val_loss"],
-            "same_data": committed.get("data_digest") == token_digest(
-                trainer.data.train.numpy(), trainer.data.val.numpy()),
+            "same_data": committed.get("data_digest") == summary["data_digest"],
             "made_on": (committed.get("study") or {}).get("machine"),
             "machine": machine_description()}
 

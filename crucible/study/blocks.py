@@ -30,7 +30,7 @@ from typing import Any
 from crucible.arithmetic import digest_of
 from crucible.grid.cells import Cell
 from crucible.grid.spec import SweepSpec
-from crucible.study.spec import StudyError
+from crucible.study.spec import StudyError, result_cells
 
 PROOFS_DIR = "arithmetic-proofs"
 MAX_PROOF_BYTES = 20_000
@@ -115,8 +115,6 @@ def load_proofs(spec: SweepSpec) -> list[dict[str, Any]]:
 def seed_blocks(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
                 proofs: Iterable[Mapping[str, Any]] = ()) -> dict[int, Block]:
     """The results' seed blocks, by seed ({cell id: result} as `load_results` reads them)."""
-    from crucible.study.spec import result_cells
-
     seeds = {cell.id: cell.seed for cell in result_cells(spec)}
     blocks: dict[int, Block] = {}
     for cell_id, result in results.items():
@@ -284,7 +282,7 @@ def blocks_section(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
     blocks = seed_blocks(spec, results, proofs)
     if not blocks:
         return []
-    seeds = {cell.id: cell.seed for cell in _result_cells(spec)}
+    seeds = {cell.id: cell.seed for cell in result_cells(spec)}
     machines: dict[int, set[str]] = {}
     for cell_id, result in results.items():
         # "x86_64, 2 CPUs, Intel(R) Xeon(R) Processor": the CPU's name, where it gives one
@@ -321,8 +319,3 @@ def blocks_section(spec: SweepSpec, results: Mapping[str, Mapping[str, Any]],
                 "arithmetics: their pairs are not twins.", ""]
     return out
 
-
-def _result_cells(spec: SweepSpec) -> list[Cell]:
-    from crucible.study.spec import result_cells
-
-    return result_cells(spec)

@@ -18,7 +18,7 @@ from typing import Any
 
 from crucible.stats import MAX_SEEDS, Claim, Comparison
 from crucible.study.data import StudyData
-from crucible.study.formatting import _table
+from crucible.study.formatting import _num, _table
 
 # what a session may spend on deciding claims (issue 34: about 30 CPU-hours of new runs in all):
 # a comparison that costs more is "beyond this preset"
@@ -99,10 +99,6 @@ def price(data: StudyData, comparison: Comparison) -> dict[str, Any]:
     return {"n": s.n, "mean": s.mean, "sd": s.sd, "need": need, "new": new,
             "first_sd": first_sd, "runs_per_seed": runs, "cpu_h": cpu_h,
             "within_budget": cpu_h is not None and cpu_h <= CPU_BUDGET_H}
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
 def price_rows(data: StudyData, claims: Sequence[Claim]) -> list[tuple[Claim, Comparison,
