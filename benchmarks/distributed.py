@@ -89,7 +89,7 @@ def _outside(case: str, timeout_s: float, out: Path) -> dict[str, Any]:
     import threading
 
     from crucible.distributed import outside
-    from crucible.distributed.worker import HOLD_UPLOAD_ENV
+    from crucible.distributed.injection import HOLD_UPLOAD_ENV
     from crucible.runfiles import read_jsonl
 
     steps, at = 30, 10

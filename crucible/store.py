@@ -152,11 +152,11 @@ class LocalStore:
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
 
-    def _write_temp(self, path: Path, data: bytes, *, durable: bool = True) -> str:
-        """A temporary `.tmp-*` file holding `data` beside `path`: what a writer killed
-        before its rename leaves (`remove_temporaries`); the test fault injection in
-        `crucible.distributed.worker` stops an upload here."""
-        return str(write_temp(path, data, durable=durable, temp_prefix=_TMP_PREFIX))
+    def write_temporary(self, key: str, data: bytes) -> str:
+        """Write `data` to a temporary `.tmp-*` file beside `key`'s path and stop there: what a
+        writer killed before its rename leaves (`remove_temporaries` removes it; no read sees
+        it). The fault injection of `crucible.distributed.injection` stops an upload here."""
+        return str(write_temp(self._path(key), data, durable=True, temp_prefix=_TMP_PREFIX))
 
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         try:
@@ -257,7 +257,7 @@ class LocalStore:
         path = self._path(key)
         path.unlink(missing_ok=True)
         # Folders left empty go too (pruned rounds would pile them up); a writer that loses its
-        # folder this way recreates it (`_write_temp`).
+        # folder this way recreates it (`runfiles.write_temp`).
         for folder in path.parents:
             if folder == self.root:
                 break

@@ -39,7 +39,7 @@ from crucible.config import Config
 from crucible.errors import TrainingDiverged
 from crucible.events import Event
 from crucible.gather import agree, load_agreed, prune_rounds, upload_contribution
-from crucible.manifest import manifest_events
+from crucible.manifest import Manifest, manifest_events
 from crucible.pipeline import ReplicatedPipeline
 from crucible.sparseloco import (
     OuterSGD,
@@ -101,23 +101,37 @@ class StageSyncResult:
 class OuterSync:
     """Holds the global weights, the error buffers and the outer optimisers of every stage."""
 
+    # what a subclass that runs beside peers in other processes changes (crucible.distributed):
+    # a contribution is created only if absent (a restarted process must not replace a blob a
+    # peer may have agreed on), and one that lands after a peer wrote the manifest is late
+    create_only = False
+    late_ok = False
+
     def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str,
-                 transfer_threads: int = TRANSFER_THREADS) -> None:
+                 transfer_threads: int = TRANSFER_THREADS,
+                 replicas: list[int] | None = None) -> None:
+        """`replicas`: the replicas whose rows `model` holds, in row order (all R by default;
+        a replica process holds one)."""
         if transfer_threads < 0:
             raise ValueError(f"transfer_threads must be >= 0, got {transfer_threads}")
         self.config, self.model, self.store, self.run_key = config, model, store, run_key
         self.transfer_threads = transfer_threads
         self.method = config.sparseloco.method
         self.run_tag = run_tag(run_key)
-        S, R = config.pipeline.stages, config.replicas
+        S = config.pipeline.stages
+        held = list(range(config.replicas)) if replicas is None else list(replicas)
+        if len(held) != model.R:
+            raise ValueError(f"the model holds {model.R} replica rows, not {len(held)}")
+        self.rows = {replica: row for row, replica in enumerate(held)}   # replica -> its row
         self.global_weights = [model.replica_weights(replica=0, stage=s) for s in range(S)]
         self.shapes = [{n: tuple(t.shape) for n, t in w.items()} for w in self.global_weights]
         sl = config.sparseloco
         self.max_blob_bytes = [dense_bytes(shapes) if self.method == "diloco" else
                                contribution_bytes(shapes, chunk=sl.chunk, topk=sl.topk)
                                for shapes in self.shapes]
-        # error buffers (R, ...) per stage and parameter, fp32, on the training device
-        self.errors = [{n: torch.zeros((R, *t.shape), dtype=torch.float32, device=t.device)
+        # error buffers (rows, ...) per stage and parameter, fp32, on the training device
+        self.errors = [{n: torch.zeros((len(held), *t.shape), dtype=torch.float32,
+                                       device=t.device)
                         for n, t in w.items()} for w in self.global_weights]
         momentum = config.sparseloco.outer_momentum if self.method == "diloco" else 0.0
         self.device = next(iter(self.global_weights[0].values())).device
@@ -127,7 +141,7 @@ class OuterSync:
 
     def reset_error(self, *, replica: int, stage: int) -> None:
         for buf in self.errors[stage].values():
-            buf[replica].zero_()
+            buf[self.rows[replica]].zero_()
 
     def param_count(self) -> int:
         return sum(t.numel() for w in self.global_weights for t in w.values())
@@ -135,7 +149,10 @@ class OuterSync:
     # -- one round -------------------------------------------------------------------------------
     def synchronise(self, global_step: int, contributes: torch.Tensor) -> list[StageSyncResult]:
         """Run the outer round for every stage; `contributes` (R, S) says which stage-replicas
-        trained this round and so upload a contribution."""
+        trained this round and so upload a contribution (this object uploads those of the
+        replicas it holds). Every stage is encoded and its uploads handed to the transfer
+        threads first; then, stage by stage: its own uploads are waited for, the peers
+        (`_await_peers`), the agreed set is fixed, aggregated and applied."""
         S = self.config.pipeline.stages
         if self.method == "ddp":
             return [self._ddp_refresh(stage, contributes[:, stage]) for stage in range(S)]
@@ -143,19 +160,46 @@ class OuterSync:
         # per stage, the replicas that trained it this round and so contribute, ascending
         made = [[r for r in range(self.config.replicas) if bool(contributes[r, stage])]
                 for stage in range(S)]
+        manifests = []
         with self._transfers() as pool:  # leaving it waits for every upload, even on an error
-            pending = [self._encode_and_upload(pool, global_step, stage, made[stage],
+            pending = [self._encode_and_upload(pool, global_step, stage,
+                                               [r for r in made[stage] if r in self.rows],
                                                results[stage]) for stage in range(S)]
             for stage in range(S):
                 with self._phase("upload_wait"):
                     for future in pending[stage]:
-                        seconds, _ = future.result()      # an upload's error is raised here
+                        seconds, written = future.result()   # an upload's error is raised here
                         self.codec_s["upload"] += seconds
-                self._agree_and_apply(global_step, stage, made[stage], results[stage])
+                        if not written:
+                            log.warning("step %d stage %d: a contribution exists already "
+                                        "(uploaded before a restart); it stands", global_step,
+                                        stage)
+                self._await_peers(global_step, stage, made[stage])
+                manifest = self._agree(global_step, stage, made[stage])
+                results[stage].applied = self._apply(stage, manifest)
+                self._report(results[stage], manifest, made[stage])
+                manifests.append(manifest)
         keep = self.config.store.keep_rounds
         if keep:
             prune_rounds(self.store, self.run_key, keep_from=global_step + 1 - keep)
+        self._round_over(global_step, manifests)
         return results
+
+    # -- what a round beside peers in other processes changes (no-ops here) -----------------------
+    def _await_peers(self, global_step: int, stage: int, made: list[int]) -> None:
+        """Before `stage` is agreed: every contribution was made here, so nothing to wait for."""
+
+    def _round_over(self, global_step: int, manifests: list[Manifest]) -> None:
+        """After every stage of the round is applied."""
+
+    def _report(self, result: StageSyncResult, manifest: Manifest, made: list[int]) -> None:
+        """What `result` says of the stage: every replica's contribution, held here."""
+        result.made = list(made)
+        result.missing = sorted({r for r in range(self.config.replicas) if r not in made}
+                                | set(manifest.missing))
+        result.rejected = {r.replica: r.reason for r in manifest.rejected}
+        result.manifest_events = [e for e in manifest_events(manifest)
+                                  if e.kind == "manifest_rejected"]
 
     @contextmanager
     def _transfers(self) -> Iterator[ThreadPoolExecutor | _Inline]:
@@ -196,41 +240,40 @@ class OuterSync:
     def _encode_and_upload(self, pool: ThreadPoolExecutor | _Inline, global_step: int,
                            stage: int, made: list[int],
                            result: StageSyncResult) -> list[Future | _Deferred]:
-        """Encode the contributions of the replicas in `made` and hand each blob to `pool`;
-        returns the uploads."""
+        """Encode the contributions of the replicas in `made` (held here) and hand each blob to
+        `pool`; returns the uploads."""
         with self._phase("encode"):
             blobs = self._encode(global_step, stage, made) if made else []
         dense_per = 4 * sum(t.numel() for t in self.global_weights[stage].values())
         uploads = []
         for replica, blob in zip(made, blobs, strict=True):
-            uploads.append(pool.submit(self._upload, global_step, stage, replica, blob))
-            result.made.append(replica)
+            uploads.append(pool.submit(self._upload, global_step, stage, replica, blob,
+                                       if_absent=self.create_only))
             result.upload_bytes += len(blob)
             result.dense_bytes += dense_per
         return uploads
 
-    def _agree_and_apply(self, global_step: int, stage: int, made: list[int],
-                         result: StageSyncResult) -> None:
-        """Fix the stage's agreed set among the replicas in `made`, aggregate it and take the
-        outer step; every replica of the stage then holds the new global weights."""
+    def _agree(self, global_step: int, stage: int, made: list[int]) -> Manifest:
+        """Fix the stage's agreed set among the replicas in `made` (`gather.agree`)."""
         idle = {r: (f"the run's fault plan has replica {r} idle at stage {stage} in global step "
                     f"{global_step} (down, or dropped with its replica): it trained nothing, so "
                     "this object is not its contribution")
                 for r in range(self.config.replicas) if r not in made}
-        decode = self._decoder(global_step, stage)
-        manifest = agree(self.store, self.run_key, global_step, stage, expected_replicas=made,
-                         idle=idle, decode=decode, max_blob_bytes=self.max_blob_bytes[stage],
-                         decode_many=self._batch_decoder(global_step, stage),
-                         max_norm_ratio=self.config.sparseloco.max_norm_ratio)
-        result.missing = sorted(set(idle) | set(manifest.missing))
-        result.rejected = {r.replica: r.reason for r in manifest.rejected}
-        result.manifest_events = [e for e in manifest_events(manifest)
-                                  if e.kind == "manifest_rejected"]
-        contributions = load_agreed(self.store, manifest, decode)
+        return agree(self.store, self.run_key, global_step, stage, expected_replicas=made,
+                     idle=idle, decode=self._decoder(global_step, stage),
+                     max_blob_bytes=self.max_blob_bytes[stage],
+                     decode_many=self._batch_decoder(global_step, stage),
+                     max_norm_ratio=self.config.sparseloco.max_norm_ratio, late_ok=self.late_ok)
+
+    def _apply(self, stage: int, manifest: Manifest) -> bool:
+        """Aggregate the agreed set and take the outer step; every replica row of the stage then
+        holds the new global weights. True when anything was applied."""
+        contributions = load_agreed(self.store, manifest,
+                                    self._decoder(manifest.global_step, stage))
         if contributions:
             self._outer_step(stage, contributions)
-            result.applied = True
         self.model.set_stage(stage, self.global_weights[stage])
+        return bool(contributions)
 
     def _outer_step(self, stage: int, contributions: list) -> None:
         """Aggregate the agreed contributions on the weights' device and apply the outer step."""
@@ -245,18 +288,19 @@ class OuterSync:
             self._retract(stage)
 
     def _encode(self, global_step: int, stage: int, replicas: list[int]) -> list[bytes]:
-        """One blob per replica in `replicas` (ascending); SparseLoCo encodes them all in one
-        batched call and writes their new error buffers back."""
-        everyone = replicas == list(range(self.config.replicas))
-        idx = torch.tensor(replicas, dtype=torch.int64)
+        """One blob per replica in `replicas` (ascending, held here); SparseLoCo encodes them all
+        in one batched call and writes their new error buffers back."""
+        rows = [self.rows[r] for r in replicas]
+        everyone = rows == list(range(len(self.rows)))
+        idx = torch.tensor(rows, dtype=torch.int64)
         weights = self.model.stage_params(stage)
 
-        def rows(t: torch.Tensor) -> torch.Tensor:  # the contributing replicas' rows of (R, ...)
+        def held(t: torch.Tensor) -> torch.Tensor:  # the contributing replicas' rows
             return t if everyone else t[idx.to(t.device)]
 
         # pseudo-gradients (R', ...): theta_global - theta_r of every contributing replica, on
         # the weights' device (only a dense blob's values go to the host, to be written out)
-        delta = {n: (g - rows(weights[n].detach())).float()
+        delta = {n: (g - held(weights[n].detach())).float()
                  for n, g in self.global_weights[stage].items()}
         if self.method == "diloco":
             try:
@@ -267,7 +311,7 @@ class OuterSync:
                 raise TrainingDiverged(str(exc)) from exc
         sl = self.config.sparseloco
         errors = self.errors[stage]
-        error = {n: rows(buf) for n, buf in errors.items()}
+        error = {n: held(buf) for n, buf in errors.items()}
         try:
             blobs, new_error = encode_contributions_batched(
                 delta, error, beta=sl.beta, stage=stage, replicas=replicas,

@@ -277,7 +277,7 @@ class Trainer(Evaluation):
                 continue
             row, s = self.replica_ids.index(failure.replica), failure.stage
             self.optimizer.reset(replica=row, stage=s)
-            self.sync.reset_error(replica=row, stage=s)
+            self.sync.reset_error(replica=failure.replica, stage=s)
             reset = ["adamw_moments", "adamw_step", "error_feedback"]
             if s in self.stiefel_momentum:
                 self.stiefel_momentum[s][row].zero_()

@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from crucible.config import Config, ConfigError
+from crucible.distributed.journal import count_lives, died_in
 from crucible.distributed.liveness import (
     DEFAULT_LEASE_S,
     DEFAULT_RESTARTS,
     check_recovery,
     read_beat,
 )
-from crucible.distributed.worker import check_distributed, count_lives, died_in
+from crucible.distributed.worker import check_distributed
 from crucible.events import Event, Metric
 from crucible.faults import FaultPlan
 from crucible.gather import MAX_MANIFESTS, manifest_key

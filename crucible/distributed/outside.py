@@ -95,6 +95,6 @@ def wait_for_rounds(run_dir: Path, *, replica: int, rounds: int, timeout_s: floa
 
 
 def holding_upload(run_dir: Path, *, replica: int) -> bool:
-    """Whether replica `replica` stopped inside an upload (`worker.HOLD_UPLOAD_ENV`)."""
+    """Whether replica `replica` stopped inside an upload (`injection.HOLD_UPLOAD_ENV`)."""
     return (Path(run_dir) / "replicas" / f"replica-{replica}" / "holding-upload").exists()
 

@@ -26,9 +26,9 @@ starts it again (every replica has a restart budget, `lives` in run.json; the la
 an agent that was itself killed), and the new process, its next *life*, restores the current
 global weights from the store (`ReplicaSync.catch_up`, once the round the last life died in is
 agreed without it) with fresh AdamW state and error feedback, then trains from the next round.
-A life counts its predecessors in `process.jsonl` (a `start` or `restart` record each); a death
-no `kill` record explains is recorded by the next life as an unplanned `kill`, at the last
-heartbeat of the dead life (so the recovery times it gives are upper bounds by one beat
+A life counts its predecessors in its journal (`crucible.distributed.journal`, `process.jsonl`:
+a `start` or `restart` record each); a death no `kill` record explains is recorded by the next
+life as an unplanned `kill`, at the last heartbeat of the dead life (so the recovery times it gives are upper bounds by one beat
 interval, `lease_s / 4`). Each life keeps a heartbeat lease in the store
 (`crucible.distributed.liveness`), which its peers read to stop waiting for it once it is dead.
 A replica killed for good (`--kill-forever`) says so in its last beat (`gone`); its next life
@@ -56,29 +56,23 @@ from crucible.arithmetic import arithmetic
 from crucible.boundary import wire_bytes
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, token_digest
+from crucible.distributed import injection
+from crucible.distributed.journal import Journal, died_in, restart_count
 from crucible.distributed.liveness import Heartbeat, PeerWatch, read_beat
 from crucible.distributed.sync import ReplicaSync
 from crucible.events import JsonlCallback
 from crucible.faults import FaultPlan
 from crucible.model_file import MODEL_FILE, save_global_weights
-from crucible.runfiles import append_jsonl, read_jsonl, repair_torn_tail, write_json_atomic
-from crucible.store import LocalStore, Store, open_store
+from crucible.runfiles import append_jsonl, write_json_atomic
+from crucible.store import Store, open_store
 from crucible.strategy import StepPlan
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
-__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "count_lives", "died_in",
-           "main", "HOLD_UPLOAD_ENV", "HOLD_FINAL_ENV"]
+__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "main"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
-# test fault injection: "REPLICA:STEP:STAGE" makes that replica's first life stop inside the
-# upload of that contribution (its temporary file written, not yet linked in) and wait there to
-# be killed from outside; the file `holding-upload` in its folder says it is there
-HOLD_UPLOAD_ENV = "CRUCIBLE_FAULT_HOLD_UPLOAD"
-# likewise "REPLICA": that replica's first life stops after its last round's record, before the
-# final evaluation (`holding-final` says it is there)
-HOLD_FINAL_ENV = "CRUCIBLE_FAULT_HOLD_FINAL"
 
 
 def check_distributed(config: Config) -> None:
@@ -149,13 +143,16 @@ class ReplicaTrainer(Trainer):
     def __init__(self, config: Config, *, replica: int, store: Store, run_key: str,
                  callback: JsonlCallback, device: torch.device, plan: FaultPlan | None = None,
                  kills: list[int] | None = None, rejoin_after: int | None = None,
-                 heartbeat: Heartbeat | None = None, forever: frozenset[int] = frozenset()
-                 ) -> None:
+                 heartbeat: Heartbeat | None = None, forever: frozenset[int] = frozenset(),
+                 journal: Journal | None = None) -> None:
         """`rejoin_after`: for a restarted process, the global step its last life died in (the
         new life waits until the peers agreed it, then catches up); None for the first life.
-        `forever`: the planned kills after which the replica does not come back."""
+        `forever`: the planned kills after which the replica does not come back. `journal`:
+        where this life records its kill, rejoin and first contribution (`callback`'s folder's
+        by default)."""
         check_distributed(config)
         self.replica = replica
+        self.journal = journal or Journal(Path(callback.out_dir), replica)
         self.kills = sorted(kills or [])
         self.forever = forever
         self.heartbeat = heartbeat
@@ -186,14 +183,14 @@ class ReplicaTrainer(Trainer):
                         replica=self.replica, replicas=self.config.replicas)
 
     # -- its own: kill, rejoin, round record -----------------------------------------------------
-    def _rejoin(self, died_in: int) -> None:
+    def _rejoin(self, dead_round: int) -> None:
         """A restarted process: the current global weights from the store (once the round its
         last life died in is agreed without it), fresh AdamW state and error feedback (as built),
         the data stream moved past the rounds it missed. A life that died after the last round
         (in the final evaluation) leaves only that evaluation to do (`run`)."""
         last = self.config.train.global_steps - 1
         self.next_step = self.sync.catch_up(
-            through=min(died_in, last),
+            through=min(dead_round, last),
             timeout_s=2 * self.config.sparseloco.round_timeout_s + 60)
         self.rejoined_at = self.next_step
         if self.heartbeat is not None:
@@ -214,9 +211,8 @@ class ReplicaTrainer(Trainer):
         (the elastic agent restarts it; a replica killed for good says so in its last beat)."""
         if self.heartbeat is not None:
             self.heartbeat.update(round=g)
-        if g in self.kills and not _fired(self.callback.out_dir, g):
-            _record(self.callback, "kill", g, self.replica, planned=True,
-                    rejoin=g not in self.forever)
+        if g in self.kills and not self.journal.fired(g):
+            self.journal.record("kill", g, planned=True, rejoin=g not in self.forever)
             self.callback.flush()
             if self.heartbeat is not None and g in self.forever:
                 self.heartbeat.stop("gone")
@@ -227,7 +223,7 @@ class ReplicaTrainer(Trainer):
         contribution after a rejoin."""
         made = any(r.made for r in results)
         if self.rejoined_at is not None and not self.contributed and made:
-            _record(self.callback, "first_contribution", g, self.replica)
+            self.journal.record("first_contribution", g)
         self.contributed = self.contributed or made
         tokens = self._tokens_per_replica()
         crossings = int(step.crossings()[0]) * tokens
@@ -239,10 +235,7 @@ class ReplicaTrainer(Trainer):
             "boundary_bytes": [n * crossings for n in wire_bytes(self.config)],
             "upload_bytes": sum(r.upload_bytes for r in results),
             "dense_bytes": sum(r.dense_bytes for r in results),
-            "wait_s": self.sync.waits_s[-1], "restart": _restart_count()})
-        if (g == self.config.train.global_steps - 1 and self.rejoined_at is None
-                and os.environ.get(HOLD_FINAL_ENV) == str(self.replica)):
-            _hold(Path(self.callback.out_dir) / "holding-final", {"global_step": g})
+            "wait_s": self.sync.waits_s[-1], "restart": restart_count()})
 
 
 @torch.no_grad()
@@ -270,62 +263,6 @@ def clip_as_batched(params: list[torch.Tensor], max_norm: float, *, replica: int
 def _no_initial_eval(config: Config):
     from dataclasses import replace
     return replace(config.train, eval_initial=False)
-
-
-# -- records of real faults (not simulator events: they live beside them, in process.jsonl) ----
-def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _record(callback: JsonlCallback, kind: str, g: int, replica: int, *,
-            wall: float | None = None, **extra: Any) -> None:
-    append_jsonl(Path(callback.out_dir) / "process.jsonl", {
-        "kind": kind, "global_step": g, "replica": replica,
-        "wall": time.time() if wall is None else wall, "restart": _restart_count(),
-        "life": _life_of(Path(callback.out_dir)), **extra})
-
-
-_LIVES: dict[Path, int] = {}
-
-
-def _life_of(out: Path) -> int:
-    """This process's life: the number of lives recorded before it (set by `_begin_life`)."""
-    return _LIVES.get(Path(out), 0)
-
-
-def count_lives(records: list[dict[str, Any]]) -> int:
-    """The lives a replica's process records show: one `start` or `restart` record each."""
-    return sum(1 for r in records if r.get("kind") in ("start", "restart"))
-
-
-def _begin_life(out: Path) -> int:
-    """Count the earlier lives of this replica and remember it as this process's life."""
-    life = count_lives(read_jsonl(out / "process.jsonl"))
-    _LIVES[Path(out)] = life
-    return life
-
-
-def died_in(out: Path) -> int:
-    """The global step the last life was in when it died: after its last round record, not
-    before a round it was to train from (`caught_up`) or was killed at (`kill`)."""
-    steps = [r["global_step"] + 1 for r in read_jsonl(out / "rounds.jsonl")]
-    steps += [r["global_step"] for r in read_jsonl(out / "process.jsonl")
-              if r.get("kind") in ("caught_up", "kill")]
-    return max(steps, default=0)
-
-
-def _explained(out: Path, life: int) -> dict[str, Any] | None:
-    """The planned `kill` record that ended life `life`, if one did."""
-    return next((r for r in read_jsonl(out / "process.jsonl")
-                 if r.get("kind") == "kill" and r.get("planned", True)
-                 and r.get("life", 0) == life), None)
-
-
-def _fired(out_dir: Path, g: int) -> bool:
-    """Whether the planned kill at global step `g` has happened (an unplanned death recorded
-    at the same step is not it)."""
-    return any(r.get("kind") == "kill" and r["global_step"] == g and r.get("planned", True)
-               for r in read_jsonl(Path(out_dir) / "process.jsonl"))
 
 
 def _device() -> torch.device:
@@ -368,9 +305,8 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     lives = ident.get("lives") or [1] * config.replicas
     lease_s = float(ident.get("lease_s") or 0.0)
     device = _device()
-    repair_torn_tail(out / "process.jsonl")
-    repair_torn_tail(out / "rounds.jsonl")
-    life = _begin_life(out)
+    journal = Journal(out, replica)
+    life = journal.life
     if (out / "summary.json").exists():   # an earlier life finished and died on its way out
         log.info("replica %d already finished (an earlier life wrote its summary)", replica)
         callback.close()
@@ -378,30 +314,28 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
     if life >= lives[replica]:            # a restart nobody budgeted (a pod started anew)
         log.warning("replica %d has had its %d lives; not starting another", replica,
                     lives[replica])
-        append_jsonl(out / "process.jsonl", {"kind": "over_budget", "global_step": -1,
-                                             "replica": replica, "wall": time.time(), "life": life})
+        journal.record("over_budget", -1)
         callback.close()
         return None
     dead_round = None
     if life > 0:   # the process is back (its agent started it again)
         dead_round = died_in(out)
-        ended = _explained(out, life - 1)
+        ended = journal.explained(life - 1)
         if ended is not None and not ended.get("rejoin", True):
             log.info("replica %d was killed for good at global step %d; not rejoining",
                      replica, ended["global_step"])
-            _record(callback, "restart", ended["global_step"], replica, gone=True)
+            journal.record("restart", ended["global_step"], gone=True)
             callback.close()
             return None
-        if ended is None and not any(   # unplanned, and not recorded by a life that died since
-                r.get("kind") == "kill" and r.get("dead_life") == life - 1
-                for r in read_jsonl(out / "process.jsonl")):
+        # unplanned, and not recorded by a life that died since
+        if ended is None and not journal.recorded_death(life - 1):
             beat = read_beat(store, run_key, replica)
             last = beat["wall"] if beat is not None and beat["life"] == life - 1 else None
-            _record(callback, "kill", dead_round, replica, planned=False, wall=last,
-                    rejoin=True, dead_life=life - 1, life=life - 1)
-        _record(callback, "restart", dead_round, replica)
+            journal.record("kill", dead_round, planned=False, wall=last, rejoin=True,
+                           dead_life=life - 1, life=life - 1)
+        journal.record("restart", dead_round)
     else:
-        _record(callback, "start", 0, replica)
+        journal.record("start", 0)
     heartbeat = None
     if lease_s > 0:
         heartbeat = Heartbeat(connect, run_key, replica=replica, life=life, lease_s=lease_s,
@@ -409,15 +343,17 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
                               state="training" if dead_round is None else "catching_up").start()
     trainer = ReplicaTrainer(config, replica=replica, store=store, run_key=run_key,
                              callback=callback, device=device, plan=plan, kills=kills,
-                             rejoin_after=dead_round, heartbeat=heartbeat, forever=forever)
+                             rejoin_after=dead_round, heartbeat=heartbeat, forever=forever,
+                             journal=journal)
     if lease_s > 0:
         trainer.sync.watch = PeerWatch(store, run_key, replicas=config.replicas, me=replica,
                                        lease_s=lease_s, lives=lives)
-    _maybe_hold_upload(trainer.sync, out, replica=replica, life=life)
+    if injection.armed():   # test fault injection, asked for by an environment variable
+        injection.arm(trainer, out, replica=replica, life=life)
     ready = f"{run_key}/{READY_PREFIX}/replica-{replica}"
     store.put(ready, b"1")
     if life > 0:   # it holds the current global weights: it trains from next_step
-        _record(callback, "caught_up", trainer.next_step, replica)
+        journal.record("caught_up", trainer.next_step)
     else:
         _wait_ready(store, run_key, replicas=config.replicas,
                     timeout_s=float(ident.get("start_timeout_s", 300.0)))
@@ -433,49 +369,6 @@ def run_replica(run_dir: Path, replica: int) -> dict[str, Any] | None:
         heartbeat.stop("done")
     callback.close()
     return summary
-
-
-class _HoldingStore:
-    """The store, except that one contribution's upload stops half way (`HOLD_UPLOAD_ENV`)."""
-
-    def __init__(self, store: LocalStore, key: str, marker: Path) -> None:
-        self._store, self._key, self._marker = store, key, marker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        if key != self._key:
-            return self._store.put_if_absent(key, data)
-        tmp = self._store._write_temp(self._store._path(key), bytes(data))
-        _hold(self._marker, {"key": key, "temporary": tmp})
-        return False                                      # not reached
-
-
-def _hold(marker: Path, what: dict[str, Any]) -> None:
-    """Test fault injection: say where this process is (`marker`) and wait to be killed."""
-    write_json_atomic(marker, {**what, "pid": os.getpid()})
-    log.warning("fault injection: holding at %s until killed", what)
-    while True:
-        time.sleep(1.0)
-
-
-def _maybe_hold_upload(sync: ReplicaSync, out: Path, *, replica: int, life: int) -> None:
-    text = os.environ.get(HOLD_UPLOAD_ENV, "")
-    if not text or life > 0:
-        return
-    try:
-        r, step, stage = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"{HOLD_UPLOAD_ENV}={text!r}: expected REPLICA:STEP:STAGE") from None
-    if r != replica:
-        return
-    if not isinstance(sync.store, LocalStore):
-        raise ConfigError(f"{HOLD_UPLOAD_ENV} needs a file:// store (it stops a LocalStore "
-                          "write half way)")
-    from crucible.gather import contribution_key
-    sync.store = _HoldingStore(sync.store, contribution_key(sync.run_key, step, stage, replica),
-                               out / "holding-upload")
 
 
 def main(argv: list[str] | None = None) -> int:

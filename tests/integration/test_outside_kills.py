@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from crucible.distributed import outside
-from crucible.distributed.worker import HOLD_FINAL_ENV, HOLD_UPLOAD_ENV
+from crucible.distributed.injection import HOLD_FINAL_ENV, HOLD_UPLOAD_ENV
 from crucible.runfiles import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from crucible.config import ConfigError, apply_overrides
+from crucible.distributed.journal import died_in
 from crucible.distributed.launch import check_recovery, lives_of
 from crucible.distributed.liveness import Heartbeat, PeerWatch, beat_key, read_beat
-from crucible.distributed.worker import died_in
 from crucible.presets import get_preset
 from crucible.runfiles import read_jsonl, repair_torn_tail
 from crucible.store import LocalStore
