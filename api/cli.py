@@ -176,10 +176,10 @@ def replay(spool_root: Path | None = typer.Option(
     from pydantic import ValidationError
 
     from crucible.registry.reporting import ApiClient, ApiError, replay_spools
-    from flows.settings import FlowSettings
+    from crucible.registry.settings import ReporterSettings
 
     try:
-        settings = FlowSettings()
+        settings = ReporterSettings()
     except ValidationError as exc:
         raise _usage("; ".join(str(error["msg"]) for error in exc.errors())) from None
     if spool_root is not None and not spool_root.is_dir():

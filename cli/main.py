@@ -230,21 +230,21 @@ def _registry_options(api_url: str | None, tags: list[str],
     if not api_url.startswith(("http://", "https://")):
         raise _fail(f"--api (or CRUCIBLE_API_URL)={api_url!r} must start with http:// or "
                     "https://, e.g. http://127.0.0.1:8000")
-    from flows.settings import FlowSettings
+    from crucible.registry.settings import ReporterSettings
 
     try:
-        settings = FlowSettings(api_url=api_url)
+        settings = ReporterSettings(api_url=api_url)
     except ValidationError as exc:
         raise _fail("; ".join(str(error["msg"]) for error in exc.errors())) from None
     return {"settings": settings, "tags": tags, "notes": note}
 
 
 def _register_run(options: dict, config, out: Path, *, name: str,  # noqa: ANN001 - a Config
-                  resume: bool):  # noqa: ANN202 - a flows.standalone.StandaloneRun
+                  resume: bool):  # noqa: ANN202 - a crucible.registry.standalone.StandaloneRun
     """Register the run with the registry before it trains; exit 2 when the registry cannot be
     reached or refuses (nothing is trained)."""
     from crucible.registry.reporting import ApiError, ApiUnavailable
-    from flows.standalone import start_run
+    from crucible.registry.standalone import start_run
 
     settings = options["settings"]
     try:
@@ -269,7 +269,7 @@ def _train_reported(reported, train_fn):  # noqa: ANN001, ANN202 - StandaloneRun
     on Ctrl-C) with its reason before the error goes on."""
     if reported is None:
         return train_fn()
-    from flows.errors import describe
+    from crucible.registry.reporting import describe
 
     try:
         return train_fn()
@@ -482,7 +482,7 @@ def bypass_damage_cmd(
 def _register_packages() -> None:
     import importlib
 
-    for module in ("api.cli", "flows.cli", "dashboards.cli"):
+    for module in ("api.cli", "cli.flows", "dashboards.cli"):
         importlib.import_module(module).register(app)
     from cli.study import register as register_study  # crucible study run|render
 

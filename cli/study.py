@@ -188,7 +188,7 @@ def register(app: Any) -> None:
             return
         if not todo:
             return
-        from flows.embedded import run_sweep_embedded
+        from cli.embedded import run_sweep_embedded
 
         report = run_sweep_embedded(spec, spec.runs_dir, skip_memory_check=skip_memory_check)
         kept = len(completed_cells(spec, cells)[0])

@@ -4,7 +4,10 @@
 - `flows.sweep_flow.failure_sweep` - the `failure-sweep` flow over a `crucible.grid.spec.SweepSpec`.
 - `flows.gpu` - per-host GPU slots (Prefect global concurrency limit `gpu:<hostname>`).
 - `flows.deploy` - both deployments, served (`crucible deploy`) or on a work pool.
-- `flows.embedded` - the no-server stack behind `crucible sweep`.
 
-Nothing is imported here, so `import flows.cli` (done by every `crucible` command) stays cheap.
+The flows import the library (`crucible`, the registry client `crucible.registry` included),
+never the registry service (`api`, `db`), the dashboards or the command line: the embedded
+stack behind `crucible sweep` (`cli.embedded`) and the flows' commands (`cli.flows`) live in
+`cli/`, which composes them (tests/unit/test_imports.py checks it). Nothing is imported here,
+so importing a flow module loads only what it needs.
 """

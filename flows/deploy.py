@@ -28,8 +28,8 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 
 from crucible.grid.spec import DEMO_SPEC
+from crucible.registry.identity import code_version
 from flows.distributed_flow import distributed_run
-from flows.identity import code_version
 from flows.run_flow import train_run
 from flows.sweep_flow import failure_sweep
 

@@ -33,11 +33,10 @@ from prefect.runtime import flow_run as runtime_flow_run
 from crucible.config import Config, ConfigError
 from crucible.distributed.liveness import DEFAULT_LEASE_S, DEFAULT_RESTARTS, check_recovery
 from crucible.ids import validate_id
-from crucible.registry.reporting import ApiUnavailable, RecordsOwed
-from flows.errors import describe
+from crucible.registry.connect import make_callback, make_client
+from crucible.registry.reporting import ApiUnavailable, RecordsOwed, describe
 from flows.gpu import gpu_slot
 from flows.processes import flow_process
-from flows.registry import make_callback, make_client
 from flows.run_flow import (
     drain_spools,
     end_flow_runs,

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["SimulatedCrash", "is_transient", "retry_only_transient", "describe"]
+__all__ = ["SimulatedCrash", "is_transient", "retry_only_transient"]
 
 
 class SimulatedCrash(RuntimeError):
@@ -79,9 +79,3 @@ def retry_only_transient(task: Any, task_run: Any, state: Any) -> bool:
     except Exception as exc:  # the state re-raises the task's own exception here
         return is_transient(exc)
     return False
-
-
-def describe(exc: BaseException) -> str:
-    """A one-line reason for the registry: the exception's type and message."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:4000] if text else type(exc).__name__

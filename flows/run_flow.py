@@ -48,19 +48,20 @@ from crucible.events import Callback, Event, Metric
 from crucible.grid.names import FINAL_STATUSES
 from crucible.ids import validate_id
 from crucible.presets import get_preset
+from crucible.registry.connect import make_callback, make_client, run_page
+from crucible.registry.identity import code_version, config_fingerprint
 from crucible.registry.reporting import (
     ApiUnavailable,
     RecordsOwed,
+    describe,
     final_changes,
     record_finish,
     replay_spools,
     supersede_finish,
 )
-from flows.errors import SimulatedCrash, describe, is_transient, retry_only_transient
+from flows.errors import SimulatedCrash, is_transient, retry_only_transient
 from flows.gpu import gpu_slot, release_slots
-from flows.identity import code_version, config_fingerprint
 from flows.processes import flow_process, run_folder_lock
-from flows.registry import make_callback, make_client, run_page
 from flows.settings import FlowSettings
 
 __all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES", "post_run_link"]

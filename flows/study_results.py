@@ -11,7 +11,7 @@ from prefect import get_run_logger
 
 from crucible.grid.cells import Cell
 from crucible.grid.spec import SweepSpec
-from flows.registry import make_client
+from crucible.registry.connect import make_client
 from flows.settings import FlowSettings
 
 if TYPE_CHECKING:

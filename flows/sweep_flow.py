@@ -56,11 +56,12 @@ from crucible.grid.cells import Cell, extra_cells
 from crucible.grid.names import FINAL_STATUSES
 from crucible.grid.spec import ANNOTATIONS, SweepSpec, identity_of
 from crucible.registry.client import ApiError, ApiUnavailable
+from crucible.registry.connect import make_client, sweep_page
+from crucible.registry.identity import code_version, config_fingerprint
+from crucible.registry.reporting import describe
 from crucible.stats import claim_rows, robustness, seeds_wanted
-from flows.errors import describe, retry_only_transient
-from flows.identity import code_version, config_fingerprint
+from flows.errors import retry_only_transient
 from flows.processes import end_prefect_flow_runs, flow_process
-from flows.registry import make_client, sweep_page
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
 from flows.study_results import (

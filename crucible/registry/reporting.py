@@ -2,7 +2,8 @@
 events to the API from a background thread, never stalling training, never losing a record and
 never storing one twice. `ApiClient` and its errors (`crucible.registry.client`) and the replay
 of spools with a run's final state (`crucible.registry.replay`) are importable from here too;
-`final_changes` builds the final state that ends a run (completed with its summary, or failed).
+`final_changes` builds the final state that ends a run (completed with its summary, or failed),
+`describe` the one-line reason of a run that failed.
 
 How `ApiCallback` keeps those promises:
 - the training thread only hands records over: `metric`/`event` buffer them, and a full batch
@@ -65,7 +66,8 @@ from crucible.registry.replay import ReplayReport, record_finish, replay_spools,
 from crucible.registry.spool import SpoolFile, drain, send_record
 
 __all__ = ["ApiError", "ApiUnavailable", "RecordsOwed", "ApiClient", "ApiCallback",
-           "ReplayReport", "replay_spools", "record_finish", "supersede_finish", "final_changes"]
+           "ReplayReport", "replay_spools", "record_finish", "supersede_finish", "final_changes",
+           "describe"]
 
 _log = logging.getLogger(__name__)
 _FIRST_BACKOFF_S = 0.5
@@ -83,6 +85,12 @@ def final_changes(*, summary: dict[str, Any] | None = None,
             "tokens_budget": summary.get("tokens_budget"),
             "tokens_processed": summary.get("tokens_processed"),
             "summary": _json_safe(summary)}
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line reason for the registry: the exception's type and message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:4000] if text else type(exc).__name__
 
 
 def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 drain that sends them in order. The replay over a whole spool root and a run's final state are
 in `crucible.registry.replay`.
 
-Layout under a spool root (one per work folder: `flows.settings.FlowSettings.spool_root`,
-default `<work_dir>/spool`, so that every later client on the machine finds what an earlier one
-left):
+Layout under a spool root (one per work folder: `ReporterSettings.spool_root` in
+`crucible.registry.settings`, default `<work_dir>/spool`, so that every later client on the
+machine finds what an earlier one left):
 
     <root>/<run_id>/<writer>.spool.jsonl           batches one reporter could not deliver, in
                                                    order; a line counts once it is fsync'd

@@ -26,8 +26,8 @@ from prefect.client.orchestration import get_client
 from prefect.states import Running
 
 import crucible.train
+from crucible.registry.identity import code_version, config_fingerprint
 from crucible.registry.reporting import ApiClient
-from flows.identity import code_version, config_fingerprint
 from flows.processes import end_processes, live_records, reconcile
 from flows.run_flow import resolve_config, train_run
 from flows.settings import FlowSettings

@@ -23,8 +23,8 @@ from prefect.client.schemas.filters import (
 )
 from sqlalchemy import create_engine, text
 
+from cli.embedded import flow_environment
 from crucible.registry.reporting import ApiClient
-from flows.embedded import flow_environment
 from flows.run_flow import train_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

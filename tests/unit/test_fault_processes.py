@@ -9,9 +9,9 @@ import pytest
 from crucible.config import Config, ConfigError, FaultConfig, apply_overrides
 from crucible.faults import FaultPlan, FaultPlanError, draw_plan, plan_for, read_trace
 from crucible.presets import get_preset
+from crucible.registry.identity import config_fingerprint
 from crucible.study.runner import comparable_config
 from crucible.train import train
-from flows.identity import config_fingerprint
 from tests.unit.helpers import tiny
 from tests.unit.test_trainer import _trainer
 

@@ -1,7 +1,8 @@
 """Import hygiene: the processes that never train (the API, the dashboards, `crucible api`,
 `crucible presets --json`) never import torch, nor do the library's torch-free rooms (grid,
-pricing, runfiles, registry), and crucible's modules import each other without a cycle at
-module top level.
+pricing, runfiles, registry); crucible's modules import each other without a cycle at module
+top level; and the packages around the library keep their rooms: the flows import neither the
+registry service nor the dashboards nor the command line, the API never the flows.
 
 The torch checks run each entry point in a fresh interpreter: this test process (conftest) has
 torch loaded already.
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,7 @@ def test_the_api_app_builds_without_torch():
 
 
 @pytest.mark.parametrize("module", ["dashboards.routes", "dashboards.routes_compare",
-                                    "dashboards.cli", "api.cli", "flows.cli"])
+                                    "dashboards.cli", "api.cli", "cli.flows"])
 def test_the_dashboards_and_cli_modules_import_without_torch(module):
     loaded, _ = _probe(f"import {module}")
     assert loaded == [], f"`import {module}` imports torch"
@@ -129,12 +131,15 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+def _import_graph(*, lazy: bool = False, eager: Collection[str] = ()) -> dict[str, set[str]]:
+    """crucible's modules and the crucible modules each imports (with `lazy`, function-level
+    imports too, but for the modules in `eager`)."""
     files = _modules()
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=lazy):
+        for node in _imports(ast.parse(path.read_text(), filename=str(path)),
+                             lazy=lazy and name not in eager):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -234,18 +239,41 @@ def test_crucible_modules_import_each_other_without_a_cycle_even_lazily():
         " -> ".join(cycle) for cycle in cycles)
 
 
-def test_the_library_never_imports_the_services_or_the_command_line():
-    """crucible/ is the library: the command line (cli/), the flows, the registry server and
-    the dashboards import it, never the other way round, not even lazily."""
-    outside = {"cli", "flows", "api", "dashboards", "db"}
+def _imports_of(package: str, forbidden: Collection[str]) -> list[str]:
+    """Every import in `package`'s files (function-level ones too) of a top-level package in
+    `forbidden`, as "path: module"."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=True):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
                 else [node.module or ""] if not node.level else []
             found += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                      if n.split(".")[0] in outside]
+                      if n.split(".")[0] in forbidden]
+    return found
+
+
+def test_the_library_never_imports_the_services_or_the_command_line():
+    """crucible/ is the library: the command line (cli/), the flows, the registry server and
+    the dashboards import it, never the other way round, not even lazily."""
+    found = _imports_of("crucible", {"cli", "flows", "api", "dashboards", "db"})
     assert not found, "the library imports outside itself:\n" + "\n".join(found)
+
+
+def test_the_flows_import_only_the_library():
+    """flows/ are recipes over the library (the registry client `crucible.registry` included):
+    never the registry service (`api`, `db`), the dashboards or the command line, not even
+    lazily. The embedded stack that serves the API beside the flows, and the flows' commands,
+    live in cli/, which composes them."""
+    found = _imports_of("flows", {"api", "db", "dashboards", "cli"})
+    assert not found, "the flows import outside the library:\n" + "\n".join(found)
+
+
+def test_the_api_never_imports_the_flows():
+    """The registry service and its client commands reach the registry client through
+    `crucible.registry`, never through the flows (nor the command line that composes them), not
+    even lazily."""
+    found = _imports_of("api", {"flows", "cli"})
+    assert not found, "the API imports the flows or the command line:\n" + "\n".join(found)
 
 
 def test_train_does_not_import_bypass_even_lazily():
@@ -281,9 +309,14 @@ def test_runfiles_imports_only_the_standard_library():
 
 # what the API, the dashboards, the flows and the command line import: never torch
 TORCH_FREE_ROOMS = ("crucible.grid", "crucible.pricing", "crucible.runfiles", "crucible.registry")
-# pricing.cost's run_cost replays a run's fault plan through its strategy (torch) when asked:
-# the room imports without torch, the replay is a function-level import
-_TORCH_WHEN_ASKED = {"crucible.pricing"}
+# modules of a room that load torch when asked, in a function-level import the check does not
+# follow (the room still imports without torch):
+_TORCH_WHEN_ASKED = {
+    # run_cost replays a run's fault plan through its strategy
+    "crucible.pricing.cost",
+    # a trace run's fingerprint hashes its trace file (crucible.faults.trace_digest)
+    "crucible.registry.identity",
+}
 
 
 def _room(room: str) -> list[str]:
@@ -303,13 +336,13 @@ def _reached(graph: dict[str, set[str]], start: list[str]) -> set[str]:
 @pytest.mark.parametrize("room", TORCH_FREE_ROOMS)
 def test_the_torch_free_rooms_never_import_torch(room):
     """Read from the code (each room's modules and every crucible module they reach, lazy
-    imports included but for pricing's replay), then run: importing the room loads no torch."""
-    lazy = room not in _TORCH_WHEN_ASKED
+    imports included but for those of _TORCH_WHEN_ASKED), then run: importing the room loads no
+    torch."""
     files = _modules()
     found = []
-    for name in sorted(_reached(_import_graph(lazy=lazy), _room(room))):
+    for name in sorted(_reached(_import_graph(lazy=True, eager=_TORCH_WHEN_ASKED), _room(room))):
         for node in _imports(ast.parse(files[name].read_text(), filename=str(files[name])),
-                             lazy=lazy):
+                             lazy=name not in _TORCH_WHEN_ASKED):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
                 else [node.module or ""] if not node.level else []
             found += [f"{name}: {n}" for n in names if n.split(".")[0] == "torch"]

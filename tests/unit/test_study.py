@@ -291,8 +291,8 @@ def test_completed_cells_are_skipped(spec: SweepSpec) -> None:
 def test_cli_run_exits_1_when_a_run_fails(tmp_path: Path, monkeypatch) -> None:
     """What the flow reported decides the exit code: a failed cell is exit 1 (the flow's own
     failure handling is tested with the flow, tests/integration/test_flows_*)."""
-    import flows.embedded
-    from flows.embedded import SweepReport
+    import cli.embedded
+    from cli.embedded import SweepReport
 
     path = write_spec(tmp_path, 'name = "t"\npreset = "smoke"\nseeds = [0]\n[[grid]]\n'
                                 'arms=["mapl"]\nstrategies=["skip"]\np=[0.1]\n')
@@ -303,7 +303,7 @@ def test_cli_run_exits_1_when_a_run_fails(tmp_path: Path, monkeypatch) -> None:
         return SweepReport("sid", tmp_path / "report.html", {}, None,
                            "1 of 2 cells of sweep sid failed: boom")
 
-    monkeypatch.setattr(flows.embedded, "run_sweep_embedded", flow)
+    monkeypatch.setattr(cli.embedded, "run_sweep_embedded", flow)
     result = CliRunner().invoke(cli_app(), ["study", "run", str(path), "--jobs", "3"])
     assert result.exit_code == 1, result.output
     assert "failed: 1 of 2 cells of sweep sid failed: boom" in result.output and seen == [3]
@@ -526,7 +526,7 @@ def test_noise_floor_from_the_results(spec: SweepSpec) -> None:
 
 
 def test_demo_table_marks_one_seed_cells(monkeypatch, capsys) -> None:
-    from flows import cli as flows_cli
+    from cli import flows as flows_cli
 
     monkeypatch.setattr(study, "noise_floor", lambda *a, **k: 1.234)
     table = {"columns": ["ssn/skip"], "rows": [

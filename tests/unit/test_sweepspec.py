@@ -284,7 +284,7 @@ def test_run_seeds_runs_some_seeds_of_the_same_sweep() -> None:
 def test_demo_options_add_to_the_demos_overrides() -> None:
     """`crucible sweep --demo --set k=v`: the demo's own settings stay, the option's come after
     them (and win where both name a key); other options replace the demo's value."""
-    from flows.cli import _spec_from_options
+    from cli.flows import _spec_from_options
 
     spec = _spec_from_options(True, {"overrides": ["train.lr=0.002"], "seeds": [4, 5]})
     assert spec.overrides == [*DEMO_SPEC["overrides"], "train.lr=0.002"]

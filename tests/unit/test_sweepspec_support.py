@@ -7,11 +7,11 @@ import pytest
 from crucible.config import ConfigError, apply_overrides
 from crucible.grid.spec import PRESET_NAMES
 from crucible.presets import PRESETS, get_preset
-from crucible.registry.reporting import ApiUnavailable
+from crucible.registry.identity import code_version, config_fingerprint
+from crucible.registry.reporting import ApiUnavailable, describe
 from crucible.store import TransientStoreError
 from crucible.train import TrainingDiverged
-from flows.errors import SimulatedCrash, describe, is_transient
-from flows.identity import code_version, config_fingerprint
+from flows.errors import SimulatedCrash, is_transient
 from flows.run_flow import resolve_config, run_store_url
 
 

@@ -83,8 +83,8 @@ def test_robustness_artifact_columns_are_the_rest_field_names() -> None:
 
 
 def test_flows_link_to_the_pages_the_dashboards_serve() -> None:
+    from crucible.registry.connect import run_page, sweep_page
     from dashboards.routes import RUN_PATH, SWEEP_PATH
-    from flows.registry import run_page, sweep_page
     from flows.settings import FlowSettings
 
     settings = FlowSettings(api_url="http://api:8000", public_url="https://crucible.example")
@@ -97,7 +97,7 @@ def test_flows_link_to_the_pages_the_dashboards_serve() -> None:
 
 
 def test_claim_lines_say_unresolved_and_what_would_decide_it() -> None:
-    from flows.cli import claim_lines
+    from cli.flows import claim_lines
 
     def comparison(label, status, mean, lo, hi, n, decide=None):
         return {"label": label, "status": status, "mean": mean, "ci_low": lo, "ci_high": hi,

@@ -1,4 +1,5 @@
-"""Command-line commands contributed by the `flows` package (registered by cli.main).
+"""The flows' commands on the `crucible` command line (registered by cli.main); they start the
+flows (`flows`) and, for `crucible sweep`, the embedded stack (`cli.embedded`).
 
 - `crucible sweep [--preset smoke] [--arm ssn --arm mapl] [--strategy skip ...] [--p 0.1 ...]
   [--seed 0 ...] [--duration N] [--global-steps N] [--set key=value ...] [--name N] [--tag T ...]
@@ -201,8 +202,8 @@ def sweep(
         "seeds": seeds, "duration": duration, "global_steps": global_steps,
         "overrides": overrides, "store_url": store, "max_concurrent_runs": max_concurrent,
         "name": name, "tags": tags, "notes": note})
+    from cli.embedded import run_sweep_embedded
     from crucible.config import ConfigError
-    from flows.embedded import run_sweep_embedded
 
     try:
         _check_here(spec, work_dir, out, memory_check=not skip_memory_check)

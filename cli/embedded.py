@@ -7,8 +7,9 @@ server to start.
   `<work_dir>/registry.db`, migrated to head, with a random write token for this session.
 - Store: a local folder per run (the trainer's default) unless a store URL is given.
 
-This is the one module of `flows` that imports the API server: it is the command line's meeting
-point, used by `crucible sweep`, never by the flows themselves.
+It composes the flows, the registry service (`api`, `db`) and the offline report
+(`dashboards.export`), so it lives in the command line, the one place where they meet: used by
+`crucible sweep` and `crucible study run`, never by the flows themselves.
 """
 from __future__ import annotations
 

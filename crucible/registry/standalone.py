@@ -1,11 +1,12 @@
 """A run outside any flow, reported to the registry: what `crucible run --api URL` does.
 
-It takes the flows' path to the registry (`flows.registry`, `FlowSettings`): the run is registered
-with its config, fingerprint, code version, name, tags and notes, marked `running`; the trainer's
-metrics and events go through `crucible.registry.reporting.ApiCallback` (a background sender; spooled
-under `FlowSettings.spool_root` while the API is unreachable, replayed by any later reporter,
-flow or `crucible api replay`); and its final state goes through the run's spool folder
-(`record_finish`), so it is called completed only once every record has arrived.
+It takes the flows' path to the registry (`crucible.registry.connect`, `ReporterSettings`): the
+run is registered with its config, fingerprint, code version, name, tags and notes, marked
+`running`; the trainer's metrics and events go through `crucible.registry.reporting.ApiCallback`
+(a background sender; spooled under `ReporterSettings.spool_root` while the API is unreachable,
+replayed by any later reporter, flow or `crucible api replay`); and its final state goes through
+the run's spool folder (`record_finish`), so it is called completed only once every record has
+arrived.
 
 The registry id is kept in `OUT/registry.json` with the API's URL, so `crucible run --resume
 --out OUT` against the same API continues the same record.
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from crucible.config import Config
+from crucible.registry.connect import make_callback, make_client, run_page
+from crucible.registry.identity import code_version, config_fingerprint
 from crucible.registry.reporting import (
     ApiCallback,
     ApiError,
@@ -26,9 +29,8 @@ from crucible.registry.reporting import (
     final_changes,
     record_finish,
 )
-from flows.identity import code_version, config_fingerprint
-from flows.registry import make_callback, make_client, run_page
-from flows.settings import FlowSettings
+from crucible.registry.settings import ReporterSettings
+from crucible.runfiles import write_json_atomic
 
 __all__ = ["REGISTRY_FILE", "StandaloneRun", "start_run"]
 
@@ -41,7 +43,7 @@ REGISTRY_FILE = "registry.json"
 class StandaloneRun:
     """A registered run in progress: `callback` goes to the trainer, then `finish` or `end`."""
 
-    settings: FlowSettings
+    settings: ReporterSettings
     run_id: str
     page: str
     callback: ApiCallback
@@ -83,7 +85,7 @@ class StandaloneRun:
             self.callback.client.close()
 
 
-def start_run(settings: FlowSettings, config: Config, out_dir: Path, *, name: str | None,
+def start_run(settings: ReporterSettings, config: Config, out_dir: Path, *, name: str | None,
               tags: list[str], notes: str | None, resume: bool) -> StandaloneRun:
     """Register the run training into `out_dir` (with `resume`, the record `out_dir` names, if
     it is on this API and still there) and mark it running. Raises `ApiUnavailable` when the
@@ -95,8 +97,6 @@ def start_run(settings: FlowSettings, config: Config, out_dir: Path, *, name: st
                                     config_hash=config_fingerprint(config),
                                     code_version=code_version(), tags=tags or None, notes=notes)
             run_id = str(run["id"])
-            from crucible.summary import write_json_atomic
-
             write_json_atomic(out_dir / REGISTRY_FILE,
                               {"api_url": settings.api_url, "run_id": run_id})
         # a new attempt: the final state an earlier one left in the spools no longer applies
@@ -110,7 +110,7 @@ def start_run(settings: FlowSettings, config: Config, out_dir: Path, *, name: st
     return StandaloneRun(settings, run_id, run_page(settings, run_id), callback)
 
 
-def _recorded_run(client: Any, settings: FlowSettings, out_dir: Path) -> str | None:
+def _recorded_run(client: Any, settings: ReporterSettings, out_dir: Path) -> str | None:
     """The registry id `out_dir/registry.json` names, when it is a run of this API."""
     try:
         record = json.loads((out_dir / REGISTRY_FILE).read_text())
