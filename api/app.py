@@ -1,17 +1,15 @@
 """The registry's FastAPI application factory.
 
 `create_app(settings)` builds one app with its own engine and session factory (no globals, so
-tests can run several apps side by side). Routes live under /api/v1; /healthz, /readyz and the
-browser sign-in (/login, /logout) at the root. The dashboards package contributes pages through
-`dashboards.routes.router`, included when that module exists: this is the hook for it, and the
-only optional import. `api.middleware.RequestGuard` authenticates writes and limits bodies before
-any route runs. The OpenAPI document says what the app does: reads carry an optional security
+tests can run several apps side by side). Routes live under /api/v1; /healthz, /readyz, the
+browser sign-in (/login, /logout) and the dashboards' pages (`api.dashboards.routes.router`) at
+the root. `api.middleware.RequestGuard` authenticates writes and limits bodies before any route
+runs. The OpenAPI document says what the app does: reads carry an optional security
 requirement while they are open, a required one once `reads_require_token` is set. /docs and
 /redoc load their JavaScript from this server, never a CDN, so they work on an air-gapped host.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 import secrets
@@ -26,6 +24,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from api.dashboards.routes import router as dashboards_router
 from api.deps import static_token
 from api.errors import install_handlers
 from api.middleware import Authenticate, RequestGuard
@@ -40,14 +39,6 @@ __all__ = ["create_app", "API_PREFIX"]
 API_PREFIX = "/api/v1"
 DOCS_STATIC_URL = "/static/api-docs"
 _log = logging.getLogger(__name__)
-
-
-def _include_dashboards(app: FastAPI) -> None:
-    if importlib.util.find_spec("dashboards.routes") is None:
-        return
-    from dashboards.routes import router  # noqa: PLC0415 - optional package hook
-
-    app.include_router(router)
 
 
 def _install_openapi(app: FastAPI, settings: Settings) -> None:
@@ -152,7 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(login.router)
     app.include_router(sweeps.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
-    _include_dashboards(app)
+    app.include_router(dashboards_router)
     _install_openapi(app, settings)
     _install_docs(app)
     app.add_middleware(RequestGuard, api_prefix=API_PREFIX, max_bytes=settings.max_body_bytes,

@@ -8,7 +8,7 @@ server to start.
 - Store: a local folder per run (the trainer's default) unless a store URL is given.
 
 It composes the flows, the registry service (`api`, `db`) and the offline report
-(`dashboards.export`), so it lives in the command line, the one place where they meet: used by
+(`api.dashboards.export`), so it lives in the command line, the one place where they meet: used by
 `crucible sweep` and `crucible study run`, never by the flows themselves.
 """
 from __future__ import annotations
@@ -172,8 +172,8 @@ def run_sweep_embedded(spec: SweepSpec, work_dir: Path, report_path: Path | None
     dashboard (default `<work_dir>/report-<sweep>.html`). The report is written even when some
     cells failed; a sweep that never registered raises the flow's error. `skip_memory_check`
     lets cells start whatever their memory estimate (FlowSettings.skip_memory_check)."""
+    from api.dashboards.export import write_report
     from crucible.registry.reporting import ApiClient
-    from dashboards.export import write_report
     from flows.sweep_flow import failure_sweep, find_sweep
 
     work_dir = work_dir.resolve()

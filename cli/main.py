@@ -482,7 +482,7 @@ def bypass_damage_cmd(
 def _register_packages() -> None:
     import importlib
 
-    for module in ("api.cli", "cli.flows", "dashboards.cli"):
+    for module in ("api.cli", "cli.flows", "cli.report"):
         importlib.import_module(module).register(app)
     from cli.study import register as register_study  # crucible study run|render
 

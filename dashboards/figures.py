@@ -275,8 +275,8 @@ def train_loss_per_replica(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     """Each replica's training loss over global steps, one line per replica that reported one.
 
     Input: `train_loss` metric rows {global_step, replica, value} (the registry thins a long
-    run's rows, see `dashboards.queries`). A replica whose loss jumps or flattens while the others
-    do not is the one to look at in the fault timeline below.
+    run's rows, see `api.dashboards.queries`). A replica whose loss jumps or flattens while the
+    others do not is the one to look at in the fault timeline below.
     """
     by_replica: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for row in rows:

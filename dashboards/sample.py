@@ -2,7 +2,7 @@
 
 Numbers are made up but consistent with the registry's contract: the interval always contains the
 mean, p = 0 rows are 0, a baseline (p = 0, strategy skip) is shared by every strategy of its arm.
-Nothing here touches a database; real sweeps come from `dashboards.queries`.
+Nothing here touches a database; real sweeps come from `api.dashboards.queries`.
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def compare_page(view: Mapping[str, Any], *, plotly_tag: str, run_href: RunHref,
     """The selected runs side by side: loss curves, facts, config diff.
 
     `view` = {"runs": run dicts in the order asked, "metrics": {run id: val_loss rows},
-    "errors": [messages]} (`dashboards.queries.compare_view`). Fewer than two runs still give
+    "errors": [messages]} (`api.dashboards.queries.compare_view`). Fewer than two runs still give
     a page, with a banner saying how to pick them.
     """
     runs = list(view.get("runs") or [])

@@ -119,7 +119,7 @@ def index_page(view: Mapping[str, Any], *, choices: Mapping[str, Sequence[str] |
     the recent runs (with their sweep and tags), each linking to its page; each table offers
     its rows as CSV and JSON.
 
-    `view` = {"filters", "errors", "sweeps", "runs"} (`dashboards.queries.index_view`);
+    `view` = {"filters", "errors", "sweeps", "runs"} (`api.dashboards.queries.index_view`);
     `choices` maps each filter to its allowed values (None: free text); `action` is the form's
     target (this page); `compare_action` the compare page (None: runs cannot be selected).
     """

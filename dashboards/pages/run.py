@@ -4,8 +4,8 @@ Facts against the baseline, validation loss against the baseline, each replica's
 the fault timeline, then the diagnostics a researcher checks next: what was done about the faults
 (events counted by kind over the whole run), contributions made/missed/rejected, bytes on the
 wire and where the wall time went. Every table and figure offers its rows as CSV and JSON. The
-view is bounded for a big run by `dashboards.queries.run_view` (events and train-loss points are
-capped; the counts are not, they are counted in SQL).
+view is bounded for a big run by `api.dashboards.queries.run_view` (events and train-loss
+points are capped; the counts are not, they are counted in SQL).
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def run_page(view: Mapping[str, Any], *, plotly_tag: str,
     """One run: facts, validation loss against its baseline, training loss per replica, fault
     timeline, counts, bytes, timing and config; each table and figure with CSV/JSON links.
 
-    `view` = `dashboards.queries.run_view`'s {"run", "metrics", "train_loss", "events",
+    `view` = `api.dashboards.queries.run_view`'s {"run", "metrics", "train_loss", "events",
     "event_counts", "baseline", "baseline_metrics"} (the last five may be missing). A run
     without a baseline or without failures says so. `prefect_href` links the Prefect flow run
     (None: its id only); `live` makes the page refresh itself while the run is unfinished.

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from api.dashboards.export import write_report
 from dashboards import sample
-from dashboards.export import write_report
 from tests.fixtures.browser import serve_in_thread
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
@@ -251,7 +251,7 @@ def test_report_command_writes_the_file_and_refuses_unknown_sweeps(
     api_server = served
     import typer
 
-    from dashboards.cli import register
+    from cli.report import register
 
     app = typer.Typer()
     register(app)

@@ -12,8 +12,9 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from dashboards import routes, sample
-from dashboards.export import write_report
+from api.dashboards import routes
+from api.dashboards.export import write_report
+from dashboards import sample
 from tests.browser.test_dashboards import Served, _config
 from tests.browser.test_dashboards import served as served  # noqa: PLC0414 - the fixture
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dashboards import export
+from api.dashboards import export
 from tests.browser.registry_data import served_sample_sweep
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
@@ -40,7 +40,7 @@ def seeded(pg_url: str) -> tuple[str, dict[str, Any]]:
 def _cli(*args: str) -> Any:
     import typer
 
-    from dashboards.cli import register
+    from cli.report import register
 
     app = typer.Typer()
     register(app)

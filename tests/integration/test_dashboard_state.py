@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from dashboards import queries, sample
+from api.dashboards import queries
+from dashboards import sample
 from db.session import make_engine, make_session_factory
 
 pytestmark = pytest.mark.integration

@@ -38,7 +38,8 @@ def _run(registry, sweep_id: str, *, p: float, seed: int, loss: float,
 
 
 def test_sweep_of_drop_extend_and_reroute_shows_no_skip(registry, registry_app):
-    from dashboards import accounting, figures, pages, queries, style
+    from api.dashboards import queries
+    from dashboards import accounting, figures, pages, style
 
     sweep = registry.post(f"{V1}/sweeps", json={"name": "no phantom arms"}).json()
     sid = sweep["id"]

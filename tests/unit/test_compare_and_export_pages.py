@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from dashboards import pages, queries, sample
+from api.dashboards import queries
+from dashboards import pages, sample
 from dashboards.pages.compare import compare_page, config_diff
 
 _TAG = pages.served_plotly_tag()

@@ -2,7 +2,8 @@
 `crucible presets --json`) never import torch, nor do the library's torch-free rooms (grid,
 pricing, runfiles, registry); crucible's modules import each other without a cycle at module
 top level; and the packages around the library keep their rooms: the flows import neither the
-registry service nor the dashboards nor the command line, the API never the flows.
+registry service nor the dashboards nor the command line, the API never the flows, the
+dashboards neither the API nor the database.
 
 The torch checks run each entry point in a fresh interpreter: this test process (conftest) has
 torch loaded already.
@@ -67,8 +68,9 @@ def test_the_api_app_builds_without_torch():
     assert loaded == [], "the API process imports torch (python -X importtime shows the chain)"
 
 
-@pytest.mark.parametrize("module", ["dashboards.routes", "dashboards.routes_compare",
-                                    "dashboards.cli", "api.cli", "cli.flows"])
+@pytest.mark.parametrize("module", ["api.dashboards.routes", "api.dashboards.routes_compare",
+                                    "api.dashboards.export", "dashboards.pages", "cli.report",
+                                    "api.cli", "cli.flows"])
 def test_the_dashboards_and_cli_modules_import_without_torch(module):
     loaded, _ = _probe(f"import {module}")
     assert loaded == [], f"`import {module}` imports torch"
@@ -274,6 +276,14 @@ def test_the_api_never_imports_the_flows():
     even lazily."""
     found = _imports_of("api", {"flows", "cli"})
     assert not found, "the API imports the flows or the command line:\n" + "\n".join(found)
+
+
+def test_the_dashboards_import_neither_the_api_nor_the_database():
+    """dashboards/ is figures and pages from plain dicts: the API (`api.dashboards`) reads the
+    rows, serves and exports the pages; the dashboards never import `api` or `db`, nor the
+    flows or the command line, not even lazily."""
+    found = _imports_of("dashboards", {"api", "db", "flows", "cli"})
+    assert not found, "the dashboards import the services:\n" + "\n".join(found)
 
 
 def test_train_does_not_import_bypass_even_lazily():

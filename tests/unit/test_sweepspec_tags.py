@@ -83,8 +83,8 @@ def test_robustness_artifact_columns_are_the_rest_field_names() -> None:
 
 
 def test_flows_link_to_the_pages_the_dashboards_serve() -> None:
+    from api.dashboards.routes import RUN_PATH, SWEEP_PATH
     from crucible.registry.connect import run_page, sweep_page
-    from dashboards.routes import RUN_PATH, SWEEP_PATH
     from flows.settings import FlowSettings
 
     settings = FlowSettings(api_url="http://api:8000", public_url="https://crucible.example")

@@ -1,6 +1,6 @@
 """The compare page's route: `/dashboards/compare?runs=ID,ID,...` (HTML).
 
-Included by `dashboards.routes.router`. Run ids come comma-separated in one `runs` parameter
+Included by `api.dashboards.routes.router`. Run ids come comma-separated in one `runs` parameter
 (the link the "Compare selected" button opens) or as repeated `runs` parameters (the same form
 without JavaScript). Bad input never fails the page: malformed or unknown ids, more than
 `MAX_COMPARE` runs and unknown parameters are named in a banner and the rest is shown. CSV and
@@ -15,9 +15,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 
+from api.dashboards import queries
 from api.deps import PageAuthDep, SessionDep
 from api.errors import error_responses
-from dashboards import pages, queries
+from dashboards import pages
 from dashboards.pages._widgets import COMPARE_PATH, MAX_COMPARE
 from dashboards.pages.compare import compare_page
 
@@ -27,7 +28,7 @@ router = APIRouter(tags=["dashboards"])
 
 
 def _href(request: Request, name: str, param: str) -> Callable[[str], str]:
-    """Links to the page route `name` of `dashboards.routes`."""
+    """Links to the page route `name` of `api.dashboards.routes`."""
     return lambda ident: str(request.url_for(name, **{param: ident}).path)
 
 

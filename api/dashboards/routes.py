@@ -2,7 +2,8 @@
 live state, and the local copy of plotly.js.
 
 Mounted by the registry app (`api.app` includes `router`). Pages read through
-`dashboards.queries` (the registry's data-access functions) and render with `dashboards.pages`.
+`api.dashboards.queries` (the registry's data-access functions) and render with the pure page
+builders of `dashboards.pages`.
 An unknown or malformed id answers a 404 HTML page (a browser user gets a page, not JSON). A
 sweep is named by its UUID or its exact name (`crud.resolve_sweep`); a run by its UUID (runs
 have no unique name). `.../state` is the small JSON a page polls while its sweep or run is
@@ -23,12 +24,13 @@ from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel
 
 from api import crud
+from api.dashboards import queries
+from api.dashboards.routes_compare import router as compare_router
 from api.deps import PageAuthDep, ReadAuthDep, SessionDep, SettingsDep
 from api.errors import NotFoundError, error_responses, read_responses
 from api.routes import KnownQueryDep
 from api.routes.sweeps import SweepRef
-from dashboards import pages, queries
-from dashboards.routes_compare import router as compare_router
+from dashboards import pages
 
 __all__ = ["router", "INDEX_PATHS", "SWEEP_PATH", "RUN_PATH", "RunState", "SweepState"]
 

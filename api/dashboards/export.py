@@ -33,8 +33,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import crud
+from api.dashboards import queries
 from crucible.runfiles import write_text_atomic
-from dashboards import pages, queries
+from dashboards import pages
 from dashboards.pages._common import banner, document, esc
 from db.session import make_engine, make_session_factory
 

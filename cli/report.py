@@ -1,4 +1,5 @@
-"""Command-line commands contributed by the `dashboards` package (registered by cli.main).
+"""The report command on the `crucible` command line (registered by cli.main): the offline
+dashboard of a sweep, read from the registry's database (`api.dashboards.export`).
 
 - `crucible report SWEEP --out FILE.html [--database-url URL]` writes the offline report of a
   sweep (SWEEP: its id or exact name; the newest sweep of that name): one self-contained HTML
@@ -43,8 +44,8 @@ def report(
     """Write the offline report of a sweep (its page and every run's page) to one HTML file."""
     from sqlalchemy.exc import OperationalError, ProgrammingError  # noqa: PLC0415
 
+    from api.dashboards.export import write_report  # noqa: PLC0415
     from api.errors import NotFoundError  # noqa: PLC0415 - keep `crucible --help` fast
-    from dashboards.export import write_report  # noqa: PLC0415
 
     if (sweep_ref is None) == (sweep is None):
         typer.echo("error: SWEEP: give the sweep's id or name once, e.g. "

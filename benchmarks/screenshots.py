@@ -2,7 +2,7 @@
 view, taken in headless Chromium from a real registry database.
 
     crucible sweep --demo --work-dir runs/shots          # a real sweep (about 3 minutes)
-    python -m dashboards.screenshots --database-url sqlite:///runs/shots/registry.db \
+    python -m benchmarks.screenshots --database-url sqlite:///runs/shots/registry.db \
         --out docs/img
 
 The registry app is served over that database on a loopback port for the time it takes; the
@@ -127,7 +127,7 @@ def take(database_url: str, out_dir: Path, *, sweep_ref: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboards.screenshots",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.screenshots",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", required=True,
                         help="the registry database, e.g. sqlite:///runs/shots/registry.db")
