@@ -43,7 +43,7 @@ def _report(trainer: Trainer, windows: int, *, whole: bool) -> tuple[float, dict
         model_class.forward = whole_forward  # type: ignore[method-assign]
     try:
         started = time.perf_counter()
-        report = alignment_report(trainer, windows=windows)
+        report = alignment_report(trainer.evaluator, windows=windows)
         seconds = time.perf_counter() - started
     finally:
         model_class.forward = forward  # type: ignore[method-assign]

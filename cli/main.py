@@ -133,6 +133,11 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
                                                          "A-Za-z0-9._:/+=-)"),
         note: str | None = typer.Option(None, "--note", help="free-text notes on the run in the "
                                                               "registry"),
+        alignment: bool = typer.Option(False, "--alignment",
+                                       help="add the final model's alignment report to the "
+                                            "summary (per inner stage: CKA, update ratio, "
+                                            "bypass damage; what a study records of its "
+                                            "baselines; about 7% of a MAPL run)"),
         ) -> None:
     """Train one run locally, write OUT/summary.json and print its headline numbers (final val
     loss +- s.e., tokens, failures, bytes uploaded, wall time).
@@ -178,7 +183,7 @@ def run(preset: str = typer.Option("smoke", "--preset", help=_preset_help()),
                                      resume=resume)
         summary = _train_reported(reported, lambda: train(
             config, out_dir=out, resume=resume, progress=progress and sys.stderr.isatty(),
-            callback=reported.callback if reported else None))
+            callback=reported.callback if reported else None, alignment=alignment))
     except (ConfigError, FaultPlanError) as exc:
         raise _fail(str(exc)) from None
     except CheckpointError as exc:

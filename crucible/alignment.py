@@ -23,18 +23,22 @@ fail):
   standard error over windows (`crucible bypass-damage` does the same on the whole split).
 
 The moments CKA needs are summed batch by batch (float64, d x d), so the report's memory does
-not grow with the number of windows. Every run without failures (faults.p = 0: the study's
-baselines) records it in its summary (`alignment`; its seconds in `timing.alignment_s`, outside
-`wall_s`), so the study can test across arms and seeds whether these numbers predict the
-trained degradation under skip.
+not grow with the number of windows. A study asks it of its baselines (the sweep flow passes
+`alignment` to their runs; `crucible run --alignment`, `train(..., alignment=True)`): their
+summaries record it (`alignment`; its seconds in `timing.alignment_s`, outside `wall_s`), so the
+study can test across arms and seeds whether these numbers predict the trained degradation under
+skip. Other runs do not pay for it (about 7% of a MAPL run).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from crucible.evaluation import Evaluator
 
 __all__ = ["alignment_report", "linear_cka", "CkaMoments", "ALIGNMENT_WINDOWS"]
 
@@ -82,47 +86,49 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None   # summary.json stays strict JSON
 
 
-def _windows(trainer: Any, windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Up to `windows` of the trainer's held-out windows, evenly spaced over them, in batches
+def _windows(evaluator: Evaluator, windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Up to `windows` of the evaluator's held-out windows, evenly spaced over them, in batches
     of `train.eval_batch_size`."""
-    ids = torch.cat([x for x, _ in trainer.validation])
-    targets = torch.cat([t for _, t in trainer.validation])
+    ids = torch.cat([x for x, _ in evaluator.validation])
+    targets = torch.cat([t for _, t in evaluator.validation])
     total = ids.shape[0]
     wanted = min(total, windows)
     index = (torch.arange(wanted, dtype=torch.float64) * (total / wanted)).long()
     ids, targets = ids[index], targets[index]
-    size = trainer.config.train.eval_batch_size
+    size = evaluator.config.train.eval_batch_size
     return [(ids[i:i + size], targets[i:i + size]) for i in range(0, wanted, size)]
 
 
 @torch.no_grad()
-def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[str, Any]:
-    """The alignment of every inner stage of `trainer`'s global model (replica 0 holds the
-    global weights after an outer step) on `windows` held-out windows."""
+def alignment_report(evaluator: Evaluator, *,
+                     windows: int = ALIGNMENT_WINDOWS) -> dict[str, Any]:
+    """The alignment of every inner stage of `evaluator`'s global model (row 0: a trainer's
+    `evaluator`, or `Evaluator.of_weights` of a finished run's model file) on `windows`
+    held-out windows."""
     from crucible.boundary import principal_angles_deg
     from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
     from crucible.grid.names import BYPASS_DECODES
 
     started = time.perf_counter()
-    model, device, S = trainer.model, trainer.device, trainer.S
-    kind = trainer.config.pipeline.compression
+    model, device, S = evaluator.model, evaluator.device, evaluator.S
+    kind = evaluator.config.pipeline.compression
     own = model.bypass_decode
     decodes = BYPASS_DECODES if kind == "mapl" else (own,)
     select = torch.tensor([0], device=device)
-    d = trainer.config.model.d_model
+    d = evaluator.config.model.d_model
     inner = range(1, S - 1)
     moments = {s: CkaMoments(d, device) for s in inner}
     update_sq = {s: 0.0 for s in inner}
     input_sq = {s: 0.0 for s in inner}
     intact_parts: list[torch.Tensor] = []
     skipped_parts: dict[tuple[int, str], list[torch.Tensor]] = {}
-    batches = _windows(trainer, windows)
+    batches = _windows(evaluator, windows)
     for ids, targets in batches:
         ids, targets = ids[None].to(device), targets[None].to(device)
         outputs: dict[int, torch.Tensor] = {}
         inputs: dict[int, torch.Tensor] = {}
         messages: dict[int, torch.Tensor] = {}
-        with trainer._autocast():
+        with evaluator.autocast():
             intact_parts.append(model(ids, targets, select=select, taps=outputs, inputs=inputs,
                                       messages=messages, per_sequence=True)[0].double().cpu())
         for s in inner:
@@ -136,7 +142,7 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
             for decode in decodes:
                 # stages 0..s-1 computed what the intact forward did: start from the message
                 # they sent (the same losses, bit for bit, as the whole bypassed forward)
-                with decoding(model, decode), trainer._autocast():
+                with decoding(model, decode), evaluator.autocast():
                     losses = model(ids, targets, select=select, bypass=skip, per_sequence=True,
                                    resume=(s, messages[s - 1]))[0]
                 skipped_parts.setdefault((s, decode), []).append(losses.double().cpu())
@@ -163,5 +169,6 @@ def alignment_report(trainer: Any, *, windows: int = ALIGNMENT_WINDOWS) -> dict[
         if kind == "mapl":
             row["bypass_damage_by_decode"] = {k: v[0] for k, v in damage.items()}
         stages.append(row)
-    return {"windows": int(intact.numel()), "tokens": int(intact.numel()) * trainer.config.model.seq_len,
+    return {"windows": int(intact.numel()),
+            "tokens": int(intact.numel()) * evaluator.config.model.seq_len,
             "stages": stages, "seconds": time.perf_counter() - started}

@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from crucible.config import Config, ConfigError
-from crucible.evaluation import bypass_damage_pct, bypass_mask, decoding
+from crucible.config import Config, ConfigError, apply_overrides
+from crucible.evaluation import Evaluator, bypass_damage_pct, bypass_mask, decoding
 from crucible.grid.names import BYPASS_DECODES
 from crucible.model_file import MODEL_FILE, load_global_weights
-from crucible.train import Trainer
-
-# the model file lives in crucible.model_file: the trainer writes it and this module imports the
-# trainer, so the dependency runs one way (bypass -> train)
 
 __all__ = ["bypass_damage", "evaluate_run"]
-
 
 
 def _config_of(run_dir: Path) -> Config:
@@ -40,23 +35,17 @@ def _config_of(run_dir: Path) -> Config:
         raise ConfigError(f"{path} has no valid config: {exc}") from None
 
 
-def _trained(run: Path, eval_tokens: int | None, scratch: str):
-    """A Trainer holding the run's final global weights in every replica."""
-    from crucible.config import apply_overrides
-    from crucible.events import MultiCallback
-    from crucible.store import open_store
-
+def _evaluator(run: Path, eval_tokens: int | None) -> Evaluator:
+    """An evaluator of the run's final global weights (its `model.pt`), scoring as the run's
+    trainer scored."""
     config = _config_of(run)
-    weights = load_global_weights(run / MODEL_FILE)
     if eval_tokens is not None:
         config = apply_overrides(config, {"train.eval_tokens": eval_tokens})
-    trainer = Trainer(config, store=open_store(Path(scratch).resolve().as_uri()),
-                      run_key="rescore", callback=MultiCallback())
-    if len(weights) != trainer.S:
-        raise ConfigError(f"{run / MODEL_FILE} has {len(weights)} stages, the config {trainer.S}")
-    for s, w in enumerate(weights):
-        trainer.model.set_stage(s, {n: t.to(trainer.device) for n, t in w.items()})
-    return trainer
+    weights = load_global_weights(run / MODEL_FILE)
+    try:
+        return Evaluator.of_weights(config, weights)
+    except ConfigError as exc:
+        raise ConfigError(f"{run / MODEL_FILE}: {exc}") from None
 
 
 @torch.no_grad()
@@ -65,17 +54,14 @@ def evaluate_run(run_dir: str | os.PathLike[str], *,
     """Re-score a finished run's final global model: {"val_loss", "val_loss_stderr",
     "stderr_pct" (of the loss), "eval_tokens", "eval_s"} on `eval_tokens` held-out tokens
     (default: the run's own setting)."""
-    import time
-
-    with tempfile.TemporaryDirectory(prefix="crucible-evaluate-") as scratch:
-        trainer = _trained(Path(run_dir), eval_tokens, scratch)
-        started = time.perf_counter()
-        loss = trainer.evaluate()
-        elapsed = time.perf_counter() - started
-    stderr = trainer.last_eval_stderr
+    evaluator = _evaluator(Path(run_dir), eval_tokens)
+    started = time.perf_counter()
+    loss = evaluator.evaluate()
+    elapsed = time.perf_counter() - started
+    stderr = evaluator.last_eval_stderr
     return {"val_loss": loss, "val_loss_stderr": stderr,
             "stderr_pct": None if stderr is None else 100 * stderr / loss,
-            "eval_tokens": trainer.eval_tokens,
+            "eval_tokens": evaluator.eval_tokens,
             "eval_s": elapsed}
 
 
@@ -87,20 +73,19 @@ def bypass_damage(run_dir: str | os.PathLike[str], *, eval_tokens: int | None = 
     codecs have one way to bypass). Returns {"config", "eval_tokens", "intact", "rows": [{stage,
     decode, val_loss, damage_pct, damage_stderr_pct}]}; damage is paired (same windows), its
     standard error taken over windows."""
-    with tempfile.TemporaryDirectory(prefix="crucible-bypass-") as scratch:
-        trainer = _trained(Path(run_dir), eval_tokens, scratch)
-        config = trainer.config
-        intact = trainer.window_losses()
-        kinds = options or (BYPASS_DECODES if config.pipeline.compression == "mapl" else ("-",))
-        rows = []
-        for stage in range(1, trainer.S - 1):
-            skip = bypass_mask(trainer.S, stage, trainer.device)
-            for decode in kinds:
-                with decoding(trainer.model, None if decode == "-" else decode):
-                    losses = trainer.window_losses(bypass=skip)
-                damage, stderr = bypass_damage_pct(losses, intact)
-                rows.append({"stage": stage, "decode": decode,
-                             "val_loss": float(losses.mean()),
-                             "damage_pct": damage, "damage_stderr_pct": stderr})
-    return {"config": config.to_dict(), "eval_tokens": trainer.eval_tokens,
+    evaluator = _evaluator(Path(run_dir), eval_tokens)
+    config, S = evaluator.config, evaluator.S
+    intact = evaluator.window_losses()
+    kinds = options or (BYPASS_DECODES if config.pipeline.compression == "mapl" else ("-",))
+    rows = []
+    for stage in range(1, S - 1):
+        skip = bypass_mask(S, stage, evaluator.device)
+        for decode in kinds:
+            with decoding(evaluator.model, None if decode == "-" else decode):
+                losses = evaluator.window_losses(bypass=skip)
+            damage, stderr = bypass_damage_pct(losses, intact)
+            rows.append({"stage": stage, "decode": decode,
+                         "val_loss": float(losses.mean()),
+                         "damage_pct": damage, "damage_stderr_pct": stderr})
+    return {"config": config.to_dict(), "eval_tokens": evaluator.eval_tokens,
             "intact": float(intact.mean()), "rows": rows}

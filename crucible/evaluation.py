@@ -1,21 +1,20 @@
-"""The trainer's evaluation of the global model: the validation loss over the fixed held-out
-windows, per-window losses, MAPL basis reports. A mixin of `crucible.train.Trainer` (it reads the
-trainer's model, validation windows, config, counters and callback), in a module of its own to
-keep train.py under 500 lines."""
+"""Evaluation of a global model, as a component: the validation loss over the fixed held-out
+windows, per-window losses, MAPL basis reports. `Evaluator(model, validation, config, device)`
+scores row 0 of a `ReplicatedPipeline` (where the global weights are after every outer step);
+the trainer holds one, and `Evaluator.of_weights` builds one for a finished run's model file
+(`crucible bypass-damage`, `crucible.alignment`) without a trainer."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from crucible import boundary
-from crucible.errors import TrainingDiverged
-from crucible.events import Metric
+from crucible.config import Config
 
-__all__ = ["Evaluation", "standard_error", "bypass_mask", "decoding", "bypass_damage_pct"]
+__all__ = ["Evaluator", "standard_error", "bypass_mask", "decoding", "bypass_damage_pct"]
 
 
 def standard_error(values: torch.Tensor) -> float | None:
@@ -51,14 +50,52 @@ def bypass_damage_pct(skipped: torch.Tensor, intact: torch.Tensor) -> tuple[floa
     return float(diff.mean()), standard_error(diff.flatten())
 
 
-class Evaluation:
-    """`Trainer`'s evaluation methods."""
+class Evaluator:
+    """Scores row 0 of `model` (the global weights) on `validation`, a list of (ids, targets)
+    held-out batches (`TokenData.validation`)."""
+
+    def __init__(self, model: Any, validation: list[tuple[torch.Tensor, torch.Tensor]],
+                 config: Config, device: torch.device) -> None:
+        self.model, self.validation, self.config, self.device = model, validation, config, device
+        self.S = config.pipeline.stages
+        self.last_eval_stderr: float | None = None             # of the latest evaluation
+        self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
+
+    @classmethod
+    def of_weights(cls, config: Config, weights: list[dict[str, torch.Tensor]], *,
+                   device: torch.device | None = None) -> Evaluator:
+        """An evaluator of `weights` (one dict per stage, a run's `model.pt`) with `config`'s
+        validation windows: the model is built as the run's trainer built it (every replica
+        row, each holding the weights), so its scores are the trainer's to the bit."""
+        from crucible.config import ConfigError
+        from crucible.data import TokenData, load_tokens
+        from crucible.pipeline import ReplicatedPipeline, resolve_device
+
+        device = resolve_device(config.train.device) if device is None else device
+        if len(weights) != config.pipeline.stages:
+            raise ConfigError(f"the model file has {len(weights)} stages, the config "
+                              f"{config.pipeline.stages}")
+        tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
+        data = TokenData(tokens, model=config.model, data=config.data,
+                         replicas=config.replicas, seed=config.seed)
+        model = ReplicatedPipeline(config).to_device(device)
+        for s, w in enumerate(weights):
+            model.set_stage(s, {n: t.to(device) for n, t in w.items()})
+        return cls(model, data.validation(tokens=config.train.eval_tokens,
+                                          batch_size=config.train.eval_batch_size),
+                   config, device)
+
+    def autocast(self):
+        """bf16 autocast on a GPU when the run trains in bf16; off otherwise."""
+        if self.device.type == "cuda" and self.config.train.dtype == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss of the global model (replica 0 holds the global weights after every
-        outer step), all stages, no bypass: the mean over the fixed held-out windows. Its
-        standard error (over windows) is kept in `last_eval_stderr`."""
+        """Validation loss of the global model, all stages, no bypass: the mean over the fixed
+        held-out windows. Its standard error (over windows) is kept in `last_eval_stderr`, the
+        windows' losses in `last_window_losses`."""
         window_losses = self.window_losses()
         self.last_window_losses = window_losses
         self.last_eval_stderr = standard_error(window_losses)
@@ -76,23 +113,11 @@ class Evaluation:
         select = torch.tensor([0], device=self.device)
         parts = []
         for ids, targets in self.validation:
-            with self._autocast():
+            with self.autocast():
                 parts.append(self.model.window_losses(ids[None].to(self.device),
                                                       targets[None].to(self.device),
                                                       select=select, bypass=bypass)[0])
         return torch.cat(parts).double().cpu()
-
-    def _maybe_evaluate(self, budget: int) -> None:
-        g = self.next_step
-        if g % self.config.train.eval_every == 0 or self._finished(budget):
-            started = time.perf_counter()
-            val = self.evaluate()
-            self.counters.timing["eval_s"] += time.perf_counter() - started
-            if not torch.isfinite(torch.tensor(val)):
-                raise TrainingDiverged(f"validation loss is {val} after global step {g}")
-            self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,
-                                        "val_loss": val, "val_loss_stderr": self.last_eval_stderr})
-            self.callback.metric(Metric("val_loss", g, val, tokens=self.counters.tokens_processed))
 
     @torch.no_grad()
     def basis_report(self, *, windows: int = 256) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from crucible import boundary
-from crucible.config import Config
+from crucible.config import Config, ConfigError
 from crucible.model import (
     ParamSpec,
     block_forward,
@@ -33,7 +33,17 @@ from crucible.model import (
 )
 from crucible.seeding import INIT_STREAM, generator, name_seed
 
-__all__ = ["ReplicatedPipeline", "initial_tensor"]
+__all__ = ["ReplicatedPipeline", "initial_tensor", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `train.device` names (`auto`: the GPU when there is one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available here; use "
+                          "train.device=auto (the GPU when there is one) or cpu")
+    return torch.device(name)
 
 
 def initial_tensor(config: Config, spec: ParamSpec, *, stage: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ def check_machine(config: Config, *, memory_check: bool = True) -> MemoryEstimat
     """The checks that need no folder: the token budget, the device, the memory estimate
     (skipped with `memory_check=False`; then None is returned). Raises ConfigError."""
     from crucible.data import check_config_budget
-    from crucible.train import resolve_device  # torch: only where a run is about to start
+    from crucible.pipeline import resolve_device  # torch: only where a run is about to start
 
     check_config_budget(config)
     check_trace(config)
@@ -112,7 +112,7 @@ def check_memory(config: Config, *, shared: bool = False) -> MemoryEstimate:
     device (the slot's, inside `flows.gpu.gpu_slot`). Raises ConfigError for a run that cannot
     fit; with `shared`, MemoryBusy for one that would fit this machine alone
     (`crucible.memory.check_fits`)."""
-    from crucible.train import resolve_device
+    from crucible.pipeline import resolve_device
 
     return check_fits(config, device=resolve_device(config.train.device), shared=shared)
 

@@ -28,16 +28,16 @@ import torch
 from crucible import boundary
 from crucible.arithmetic import arithmetic
 from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
-from crucible.config import Config, ConfigError
+from crucible.config import Config
 from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
 from crucible.errors import TrainingDiverged
-from crucible.evaluation import Evaluation, standard_error
+from crucible.evaluation import Evaluator, standard_error
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, plan_for
 from crucible.ids import validate_id
 from crucible.model_file import MODEL_FILE, save_global_weights
 from crucible.optim import ReplicaAdamW, clip_per_replica, lr_at
-from crucible.pipeline import ReplicatedPipeline
+from crucible.pipeline import ReplicatedPipeline, resolve_device
 from crucible.presets import tokens_per_global_step
 from crucible.progress import RunProgress
 from crucible.store import Store, open_store
@@ -50,16 +50,7 @@ __all__ = ["Trainer", "TrainingDiverged", "train", "resolve_device", "standard_e
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available here; use "
-                          "train.device=auto (the GPU when there is one) or cpu")
-    return torch.device(name)
-
-
-class Trainer(Evaluation):
+class Trainer:
     """One run. Construct, then `run()`; `global_step(g)` is one outer round.
 
     The simulator holds every replica (`replicas=None`). The distributed worker
@@ -97,6 +88,7 @@ class Trainer(Evaluation):
         self.sync = self._make_sync()
         self.validation = data.validation(tokens=config.train.eval_tokens,
                                           batch_size=config.train.eval_batch_size)
+        self.evaluator = Evaluator(self.model, self.validation, config, self.device)
         self.max_steps = self._max_steps()
         faults = config.faults
         self.plan = plan if plan is not None else plan_for(
@@ -105,8 +97,6 @@ class Trainer(Evaluation):
         self.plan.validate(replicas=config.replicas, stages=self.S)
         self.counters = RunCounters.empty(replicas=self.R, stages=self.S)
         self.next_step = 0
-        self.last_eval_stderr: float | None = None             # of the latest evaluation
-        self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
         # train.tail_average: the global weights summed over the last outer steps (float64)
         self.tail_sum: list[dict[str, torch.Tensor]] | None = None
         self.tail_count = 0
@@ -171,14 +161,16 @@ class Trainer(Evaluation):
         if self.tail_count:
             summary.update(self.tail_evaluation())
         if self.config.pipeline.compression == "mapl":
-            summary["mapl_bases"] = self.basis_report()
-        if self.S > 2 and self.config.faults.p == 0:
-            # the baselines' alignment (the hypothesis test reads those; a failure run's is
-            # left out: for MAPL it costs ~7% of a run)
-            from crucible.alignment import alignment_report
-            summary["alignment"] = alignment_report(self)
-            summary.setdefault("timing", {})["alignment_s"] = summary["alignment"].pop("seconds")
+            summary["mapl_bases"] = self.evaluator.basis_report()
         return summary
+
+    def alignment(self, summary: dict[str, Any]) -> None:
+        """Add the global model's alignment report (`crucible.alignment`) to `summary`, its
+        seconds as `timing.alignment_s` (outside `wall_s`). Asked for by whoever needs it (a
+        study's baselines: `train(..., alignment=True)`); it costs about 7% of a MAPL run."""
+        from crucible.alignment import alignment_report
+        summary["alignment"] = alignment_report(self.evaluator)
+        summary.setdefault("timing", {})["alignment_s"] = summary["alignment"].pop("seconds")
 
     def tail_first_step(self) -> int:
         """The first outer step (1-based, as `next_step` counts them) whose global weights the
@@ -222,7 +214,7 @@ class Trainer(Evaluation):
             self.model.set_stage(s, {n: (t / self.tail_count).float() for n, t in total.items()},
                                  replicas=row)
         try:
-            losses = self.window_losses()
+            losses = self.evaluator.window_losses()
         finally:
             for s, weights in enumerate(own):
                 self.model.set_stage(s, weights, replicas=row)
@@ -400,9 +392,36 @@ class Trainer(Evaluation):
             self.counters.bytes_dense += sent    # what it sends is its own dense equivalent
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.config.train.dtype == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        return self.evaluator.autocast()
+
+    # -- evaluation (crucible.evaluation.Evaluator) ------------------------------------------------
+    def evaluate(self) -> float:
+        """Validation loss of the global model (`Evaluator.evaluate`)."""
+        return self.evaluator.evaluate()
+
+    @property
+    def last_eval_stderr(self) -> float | None:
+        return self.evaluator.last_eval_stderr
+
+    @property
+    def last_window_losses(self) -> torch.Tensor | None:
+        return self.evaluator.last_window_losses
+
+    @property
+    def eval_tokens(self) -> int:
+        return self.evaluator.eval_tokens
+
+    def _maybe_evaluate(self, budget: int) -> None:
+        g = self.next_step
+        if g % self.config.train.eval_every == 0 or self._finished(budget):
+            started = time.perf_counter()
+            val = self.evaluate()
+            self.counters.timing["eval_s"] += time.perf_counter() - started
+            if not torch.isfinite(torch.tensor(val)):
+                raise TrainingDiverged(f"validation loss is {val} after global step {g}")
+            self.counters.evals.append({"global_step": g, "tokens": self.counters.tokens_processed,
+                                        "val_loss": val, "val_loss_stderr": self.last_eval_stderr})
+            self.callback.metric(Metric("val_loss", g, val, tokens=self.counters.tokens_processed))
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _maybe_checkpoint(self, started: float, budget: int) -> None:
@@ -488,8 +507,12 @@ def _run_identity(out_dir: Path, config: Config, resume: bool,
 def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback | None = None,
           resume: bool = False, progress: bool = False, plan: FaultPlan | None = None,
           on_step: Callable[[int, int], None] | None = None,
-          run_key: str | None = None) -> dict[str, Any]:
+          run_key: str | None = None, alignment: bool = False) -> dict[str, Any]:
     """Train one run and write `summary.json`, `metrics.jsonl`, `events.jsonl` into `out_dir`.
+
+    `alignment`: add the final model's alignment report to the summary (`Trainer.alignment`;
+    what a study asks of its baselines, for the alignment hypothesis), when the pipeline has an
+    inner stage.
 
     With `resume=True` and a checkpoint in the run's store, training continues from it and ends
     with the same numbers as an uninterrupted run. Raises `ConfigError` for a bad configuration,
@@ -526,6 +549,8 @@ def train(config: Config, *, out_dir: str | os.PathLike[str], callback: Callback
             summary = trainer.run(on_step=step_done)
     finally:
         sink.flush()
+    if alignment and trainer.S > 2:
+        trainer.alignment(summary)
     save_global_weights(out / MODEL_FILE, trainer.sync.global_weights)
     if trainer.last_window_losses is not None:
         # per-window final losses: paired comparisons between runs on the same windows

@@ -198,8 +198,10 @@ def _register(client: Any, config: Config, sweep_id: str | None, run_id: str | N
 @task(name="train", retries=TRAIN_RETRIES, retry_delay_seconds=_RETRY_DELAYS_S,
       retry_condition_fn=retry_only_transient, cache_policy=NO_CACHE)
 def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSettings,
-               crash_after_global_steps: int | None = None) -> dict[str, Any]:
-    """Train while holding a GPU slot; returns the trainer's summary.
+               crash_after_global_steps: int | None = None,
+               alignment: bool = False) -> dict[str, Any]:
+    """Train while holding a GPU slot; returns the trainer's summary (with the final model's
+    alignment report when `alignment`: what a study asks of its baselines).
 
     Always asks the trainer to resume: it continues from the run folder's last checkpoint when
     there is one (a retried attempt, a re-run flow) and starts afresh otherwise.
@@ -225,7 +227,7 @@ def train_task(config: Config, run_id: str, out_dir: Path, settings: FlowSetting
                         "kept, nothing is trained again", run_id)
             return done
         return _train_in_slot(config, run_id, out_dir, settings, crash_after_global_steps,
-                              flow_run_id, logger)
+                              flow_run_id, logger, alignment)
 
 
 def _finished_summary(out_dir: Path, run_id: str) -> dict[str, Any] | None:
@@ -240,7 +242,7 @@ def _finished_summary(out_dir: Path, run_id: str) -> dict[str, Any] | None:
 
 def _train_in_slot(config: Config, run_id: str, out_dir: Path, settings: FlowSettings,
                    crash_after_global_steps: int | None, flow_run_id: str | None,
-                   logger: Any) -> dict[str, Any]:
+                   logger: Any, alignment: bool = False) -> dict[str, Any]:
     from crucible.preflight import check_memory
     from crucible.train import train  # torch-heavy: only where training happens
 
@@ -255,7 +257,7 @@ def _train_in_slot(config: Config, run_id: str, out_dir: Path, settings: FlowSet
             logger.info("training run %s (%s) in %s, slot %s",
                         run_id, config_fingerprint(config)[:12], out_dir, slot)
             return train(config, out_dir=out_dir, callback=callback, resume=True,
-                         progress=False, run_key=f"run-{run_id}")
+                         progress=False, run_key=f"run-{run_id}", alignment=alignment)
     finally:
         callback.close()
 
@@ -333,12 +335,15 @@ def _state_hook(status: str, lead: str) -> Callable[[Any, Any, Any], None]:
 def train_run(preset: str = "smoke", overrides: list[str] | None = None,
               sweep_id: str | None = None, run_id: str | None = None,
               store_url: str | None = None,
-              crash_after_global_steps: int | None = None) -> dict[str, Any]:
+              crash_after_global_steps: int | None = None,
+              alignment: bool = False) -> dict[str, Any]:
     """Train one run of `preset` with `overrides` (`key.path=value`) and record it in the registry.
 
     `store_url` is the shared object store (checkpoints go to `<store_url>/runs/<fingerprint>`);
     empty uses the worker's CRUCIBLE_STORE_URL, else a folder inside the run folder.
     `crash_after_global_steps` (testing) simulates a worker crash once, to exercise resume.
+    `alignment`: record the final model's alignment report in the summary (a study's sweep asks
+    it of its baselines; `crucible.alignment`).
     Returns {run_id, status, owed_records, final_val_loss, reason}: status "completed", or
     "running" when training finished but `owed_records` records have not reached the registry
     yet (the next replay completes the run); raises (the flow run fails) on failure.
@@ -352,12 +357,12 @@ def train_run(preset: str = "smoke", overrides: list[str] | None = None,
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     with flow_process(settings.work_dir, flow_run_id, "train-run"):
         return _train_run(settings, preset, overrides or [], sweep_id, run_id, store_url,
-                          crash_after_global_steps)
+                          crash_after_global_steps, alignment)
 
 
 def _train_run(settings: FlowSettings, preset: str, overrides: list[str], sweep_id: str | None,
                run_id: str | None, store_url: str | None,
-               crash_after_global_steps: int | None) -> dict[str, Any]:
+               crash_after_global_steps: int | None, alignment: bool = False) -> dict[str, Any]:
     config = resolve_config(preset, overrides, store_url or settings.store_url,
                             settings.s3_endpoint_url)
     drain_spools(settings)
@@ -366,7 +371,8 @@ def _train_run(settings: FlowSettings, preset: str, overrides: list[str], sweep_
                                     "served by the Crucible API.")
     out_dir = settings.work_dir.resolve() / "runs" / run_id
     try:
-        summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps)
+        summary = train_task(config, run_id, out_dir, settings, crash_after_global_steps,
+                             alignment)
     except Exception as exc:
         reason = describe(exc)
         kind = "transient, retries exhausted" if is_transient(exc) else "deterministic, not retried"

@@ -221,12 +221,12 @@ def _sweep_run_name() -> str:
 @task(name="run-cell", cache_policy=NO_CACHE)
 def run_cell(label: str, preset: str, overrides: list[str], sweep_id: str, run_id: str,
              store_url: str | None, use_deployment: bool, *, flow_run_name: str | None = None,
-             tags: list[str] | None = None) -> dict[str, Any]:
+             tags: list[str] | None = None, alignment: bool = False) -> dict[str, Any]:
     """Run one cell to its end in a flow run named `flow_run_name` (default: `label`) with the
-    Prefect `tags`; returns {run_id, status, reason} and never raises for a failed run (the run
+    Prefect `tags` (`alignment`: the run records its alignment report); returns {run_id, status, reason} and never raises for a failed run (the run
     flow has already retried what was worth retrying and recorded the reason)."""
     parameters = {"preset": preset, "overrides": overrides, "sweep_id": sweep_id,
-                  "run_id": run_id, "store_url": store_url}
+                  "run_id": run_id, "store_url": store_url, "alignment": alignment}
     name = flow_run_name or label
     if use_deployment:
         from prefect.deployments import run_deployment
@@ -262,7 +262,9 @@ def _run_cells(spec: SweepSpec, sweep_id: str, todo: list[_Planned], settings: F
             in_flight.append(run_cell.with_options(task_run_name=f"cell {item.cell.label}").submit(
                 item.cell.label, spec.preset, item.overrides, sweep_id, item.run_id, store,
                 spec.use_deployment, flow_run_name=cell_run_name(spec, item.cell),
-                tags=cell_tags(spec, sweep_id, item.cell)))
+                tags=cell_tags(spec, sweep_id, item.cell),
+                # a study's baselines: the alignment hypothesis is tested on their reports
+                alignment=spec.files is not None and item.cell.strategy is None))
         finished = next(as_completed(in_flight))
         in_flight.remove(finished)
         result = finished.result()

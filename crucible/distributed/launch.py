@@ -311,7 +311,7 @@ def merge(out: Path, config: Config, *, kills: list[dict[str, Any]], exit_codes:
                                global_steps=lead["global_steps"],
                                synced_params=lead["synced_params"])
     # what the lead's `Trainer.run` adds beyond the counters (its evaluations of the global
-    # model: eval_tokens, alignment, mapl_bases), its versions and the corpus digest
+    # model: eval_tokens, mapl_bases), its versions and the corpus digest
     summary.update({k: v for k, v in lead.items() if k not in summary and k not in _REPLICA_ONLY})
     summary["run_key"], summary["store_url"] = ident["run_key"], ident["store_url"]
     finals = [p["final_val_loss"] for p in parts.values() if p["final_val_loss"] is not None]

@@ -111,12 +111,11 @@ def test_the_merged_summary_is_the_simulators_summary_plus_a_distributed_section
         assert set(dist[key]) == set(sim[key]), key
     assert sim["skipped_outer_steps"] == 1
     assert sim["replica_down_fraction"] == 3 / 4
-    assert "alignment" in sim
     same = ("preset", "seed", "config", "initial_val_loss", "final_val_loss", "val_loss_stderr",
             "evals", "global_steps", "tokens_budget", "tokens_processed", "budget_met",
             "inner_steps", "contributions", "manifests_rejected", "skipped_outer_steps", "bytes",
             "synced_params", "faults", "replica_down_fraction", "donor_load",
-            "donor_extra_fraction", "eval_tokens", "alignment", "data_digest")
+            "donor_extra_fraction", "eval_tokens", "data_digest")
     assert {k: dist[k] for k in same} == {k: sim[k] for k in same}
     ident = json.loads((tmp_path / "dist" / "run.json").read_text())
     assert (dist["run_key"], dist["store_url"]) == (ident["run_key"], ident["store_url"])

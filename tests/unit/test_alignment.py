@@ -58,14 +58,14 @@ def _trained(tmp_path: Path, compression: str) -> Trainer:
 def test_report_damage_is_the_trainers_own_skip_evaluation(tmp_path: Path, compression) -> None:
     trainer = _trained(tmp_path, compression)
     windows = sum(ids.shape[0] for ids, _ in trainer.validation)
-    report = alignment_report(trainer, windows=windows)
+    report = alignment_report(trainer.evaluator, windows=windows)
     assert report["windows"] == windows
-    intact = trainer.window_losses()
+    intact = trainer.evaluator.window_losses()
     assert [row["stage"] for row in report["stages"]] == list(range(1, trainer.S - 1))
     for row in report["stages"]:
         skip = torch.zeros(1, trainer.S, dtype=torch.bool)
         skip[0, row["stage"]] = True
-        damaged = trainer.window_losses(bypass=skip)
+        damaged = trainer.evaluator.window_losses(bypass=skip)
         expected = float(((damaged - intact) / intact.mean() * 100).mean())
         assert row["bypass_damage_pct"] == pytest.approx(expected, rel=1e-6, abs=1e-9)
         assert 0.0 <= row["cka"] <= 1.0 + 1e-9 and row["update_ratio"] > 0
@@ -81,14 +81,27 @@ def test_report_damage_is_the_trainers_own_skip_evaluation(tmp_path: Path, compr
     assert trainer.model.bypass_decode == trainer.config.pipeline.bypass_decode   # restored
 
 
-def test_every_run_records_its_alignment(tmp_path: Path) -> None:
+def test_a_run_records_its_alignment_when_asked(tmp_path: Path) -> None:
+    """`train(alignment=True)` (what a study asks of its baselines) adds the report; a run
+    nobody asks it of does not pay for it, and the report reads the same weights either way."""
     cfg = tiny(**{"pipeline.compression": "ssn", "pipeline.factor": 4})
     from crucible.train import train
 
-    summary = train(cfg, out_dir=tmp_path / "run", progress=False)
+    summary = train(cfg, out_dir=tmp_path / "run", progress=False, alignment=True)
     assert len(summary["alignment"]["stages"]) == cfg.pipeline.stages - 2
+    plain = train(cfg, out_dir=tmp_path / "plain", progress=False)
+    assert "alignment" not in plain and "alignment_s" not in plain["timing"]
+    assert plain["final_val_loss"] == summary["final_val_loss"]
+    # the report of the model file, without a trainer, is the trainer's to the bit
+    from crucible.evaluation import Evaluator
+    from crucible.model_file import MODEL_FILE, load_global_weights
+    again = alignment_report(Evaluator.of_weights(cfg, load_global_weights(
+        tmp_path / "plain" / MODEL_FILE)))
+    again.pop("seconds")
+    assert again == summary["alignment"]
     failing = apply_overrides(cfg, ["faults.p=0.3", "faults.strategy=skip"])
-    assert "alignment" not in train(failing, out_dir=tmp_path / "failing", progress=False)
+    assert "alignment" in train(failing, out_dir=tmp_path / "failing", progress=False,
+                                alignment=True)
     assert summary["timing"]["alignment_s"] > 0 and "seconds" not in summary["alignment"]
     assert summary["data_digest"].startswith("sha256:") and len(summary["data_digest"]) == 71
 
@@ -185,8 +198,8 @@ def test_bypassed_forwards_resumed_and_shortcut_are_the_whole_forward_bit_for_bi
 def test_report_is_the_one_of_whole_forwards_bit_for_bit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression) -> None:
     trainer = _trained(tmp_path, compression)
-    report = alignment_report(trainer, windows=64)
+    report = alignment_report(trainer.evaluator, windows=64)
     _whole_forward(monkeypatch, trainer.model)
-    whole = alignment_report(trainer, windows=64)
+    whole = alignment_report(trainer.evaluator, windows=64)
     report.pop("seconds"), whole.pop("seconds")
     assert report == whole

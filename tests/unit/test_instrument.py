@@ -248,7 +248,7 @@ def test_eval_tokens_0_scores_every_window_and_the_stderr_is_over_windows(tmp_pa
     trainer = _trainer(tmp_path, cfg)
     summary = trainer.run()
     available = (len(_held_out(corpus)) - 1) // SEQ
-    losses = trainer.window_losses().numpy()
+    losses = trainer.evaluator.window_losses().numpy()
     assert losses.shape == (available,)
     assert summary["eval_tokens"] == available * SEQ
     # the final evaluation is the global model's mean over windows, its s.e. std / sqrt(n)

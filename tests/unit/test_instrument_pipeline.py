@@ -160,7 +160,7 @@ def test_stiefel_step_is_mapl_lr_scale_times_the_inner_lr(tmp_path, monkeypatch,
 
 def test_basis_report_of_an_untrained_model_shows_no_movement(tmp_path):
     trainer = _trainer(tmp_path, tiny(**{"pipeline.compression": "mapl"}))
-    rows = trainer.basis_report()
+    rows = trainer.evaluator.basis_report()
     assert [r["boundary"] for r in rows] == list(range(trainer.S - 1))
     for r in rows:
         assert r["angle_deg"] == pytest.approx(0.0, abs=1e-2)

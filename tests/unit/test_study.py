@@ -593,7 +593,6 @@ def test_committed_results_document_matches_the_committed_data(name: str) -> Non
                                    f"`crucible study render studies/{name}`")
 
 
-@pytest.mark.slow
 @pytest.mark.slow   # ~40 s: two runs on the embedded stack (Prefect, registry), then a render
 def test_end_to_end_smoke_study(tmp_path: Path) -> None:
     path = write_spec(tmp_path, """
@@ -617,6 +616,10 @@ def test_end_to_end_smoke_study(tmp_path: Path) -> None:
     assert kept["versions"]["git_sha"] and math.isfinite(kept["final_val_loss"])
     assert kept["config"]["faults"]["p"] == 0.5 and "store_url" not in kept
     assert kept["study"]["cell"] == "none-skip-p0.5-s0" and kept["study"]["jobs"] == 2
+    # the study asks its baselines (only) for the alignment report its hypothesis test reads
+    base = json.loads((tmp_path / "results" / "e2e" / "none-base-s0.json").read_text())
+    assert len(base["alignment"]["stages"]) == base["config"]["pipeline"]["stages"] - 2
+    assert "alignment" not in kept
     # the runs are in the study's registry (SQLite in its runs folder), with the same losses
     import sqlalchemy as sa
 

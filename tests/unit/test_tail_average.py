@@ -50,8 +50,9 @@ def test_the_tail_leaves_a_baselines_reports_alone(tmp_path: Path) -> None:
     """p = 0, MAPL, four stages: the alignment report and the bases' report read the model after
     the tail's evaluation, which put the final global weights back."""
     cfg = {"pipeline.compression": "mapl", "train.global_steps": 4}
-    plain = train(tiny(**cfg), out_dir=tmp_path / "plain")
-    tail = train(tiny(**cfg, **{"train.tail_average": 0.5}), out_dir=tmp_path / "tail")
+    plain = train(tiny(**cfg), out_dir=tmp_path / "plain", alignment=True)
+    tail = train(tiny(**cfg, **{"train.tail_average": 0.5}), out_dir=tmp_path / "tail",
+                 alignment=True)
     assert "tail_val_loss" in tail and "alignment" in plain
     assert tail["alignment"] == plain["alignment"] and tail["mapl_bases"] == plain["mapl_bases"]
 
