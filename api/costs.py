@@ -45,7 +45,7 @@ def sweep_costs(session: Session, *, sweep_id: uuid.UUID,
     """The sweep's decisions by cost on one deployment (crucible.pricing.cost_sweep.sweep_costs)
     from its runs' stored records; `deployment` may be left out when they have one only. Raises
     NotFoundError (no sweep, or no run of it priced on that deployment), InvalidInputError."""
-    from crucible.grid.cells import GridKey
+    from crucible.grid.key import CellKey
     from crucible.pricing.cost_sweep import CostRow
     from crucible.pricing.cost_sweep import sweep_costs as decide
 
@@ -63,7 +63,7 @@ def sweep_costs(session: Session, *, sweep_id: uuid.UUID,
                             + (f" for deployment {deployment!r}" if deployment else "")
                             + "; run `crucible cost SWEEP_FOLDER --deployment FILE --api URL`",
                             field="deployment")
-    priced = [CostRow(key=GridKey(run.compression, "base" if run.p == 0 else str(run.strategy),
+    priced = [CostRow(key=CellKey(run.compression, None if run.p == 0 else str(run.strategy),
                                   run.p, run.label),
                       seed=run.seed, name=run.name or str(run.id), cost=cost.record)
               for run, cost in rows if cost.deployment == deployment]

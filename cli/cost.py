@@ -100,6 +100,8 @@ def _print_sweep(record: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from crucible.grid.key import BASELINE_NAME
+
     unit = record["currency"]
     table = Table(title="per cell (means over seeds)")
     for name in ("arm", "strategy", "variant", "p", "n", "cost", "final val loss",
@@ -107,7 +109,7 @@ def _print_sweep(record: dict[str, Any]) -> None:
         table.add_column(name, no_wrap=True)
     for cell in record["cells"]:
         target = cell["target"]
-        reached = ("-" if cell["strategy"] == "base" else
+        reached = ("-" if cell["strategy"] == BASELINE_NAME else
                    f"{target['reached']} of {target['of']}"
                    + (f", {_money(target['cost']['mean'], unit)}" if target["reached"] else ""))
         at_budget = cell["loss_at_budget"]["mean"]

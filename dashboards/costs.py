@@ -14,6 +14,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from crucible.grid.key import BASELINE_NAME
 from dashboards.style import (
     STRATEGY_DASH,
     STRATEGY_SYMBOL,
@@ -33,7 +34,7 @@ _AXES = {"wall": ("wall_s", "Predicted wall-clock (h)", 1 / 3600.0),
 
 def _name(cell: Mapping[str, Any]) -> str:
     label = f" {cell['label']}" if cell.get("label") else ""
-    if cell["strategy"] == "base":
+    if cell["strategy"] == BASELINE_NAME:
         return f"{arm_label(cell['arm'])} · baseline"
     return f"{arm_label(cell['arm'])} · {cell['strategy']}{label} · p = {cell['p']:g}"
 
@@ -56,7 +57,7 @@ def cost_curves(record: Mapping[str, Any], *, axis: str) -> go.Figure:
             x=[p[key] * scale for p in points], y=[p["val_loss"] for p in points],
             mode="lines+markers", name=_name(cell),
             line={"color": arm_color(cell["arm"]), "dash": STRATEGY_DASH.get(strategy, "solid"),
-                  "width": 3 if strategy == "base" else 2},
+                  "width": 3 if strategy == BASELINE_NAME else 2},
             marker={"symbol": STRATEGY_SYMBOL.get(strategy, "circle"), "size": 7},
             hovertemplate=f"{html.escape(_name(cell))}<br>%{{x:.3g}}<br>val loss %{{y:.4f}}"
                           "<extra></extra>"))

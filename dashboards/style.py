@@ -17,17 +17,17 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from crucible.grid.names import ARM_COLOR, ARM_LABEL, STRATEGIES, STRATEGY_DASH
+from crucible.grid.names import ARM_COLOR, ARM_LABEL, ARMS, STRATEGIES, STRATEGY_DASH
 
 __all__ = ["OKABE_ITO", "STRATEGY_DASH", "STRATEGY_SYMBOL", "STRATEGY_PATTERN", "arm_color",
-           "arm_label", "series_name", "rgba", "base_layout", "empty_figure", "STRATEGY_ORDER",
+           "arm_label", "series_name", "rgba", "base_layout", "empty_figure",
            "P_AXIS_TITLE", "BASELINE_LABEL", "finite", "group_order", "legend_below"]
 
 # Okabe-Ito without yellow (#F0E442), ordered for contrast between neighbours.
 OKABE_ITO: tuple[str, ...] = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00",
                               "#56B4E9", "#000000")
-# the arms' colours and labels, the strategies' order and dash styles: crucible.grid.names's
-STRATEGY_ORDER: tuple[str, ...] = STRATEGIES
+# the arms' order, colours and labels and the strategies' order and dash styles are
+# crucible.grid.names's (defined once there); the strategies' marker symbols are the dashboards'
 STRATEGY_SYMBOL: dict[str, str] = {"skip": "circle", "drop": "square", "drop_extend": "diamond",
                                    "reroute": "triangle-up"}
 # Fill patterns for the fault timeline's bars (empty = solid fill).
@@ -101,7 +101,6 @@ P_AXIS_TITLE = "Failure probability per replica per global step (%)"
 # a baseline (p = 0) has no strategy of its own (the registry stores None); it is drawn with each
 # strategy of its arm, and under this name only when its arm has no failure run yet
 BASELINE_LABEL = "baseline"
-_ARM_ORDER = ("none", "ssn", "mapl")
 
 
 def finite(value: Any) -> bool:
@@ -110,10 +109,11 @@ def finite(value: Any) -> bool:
 
 
 def group_order(key: tuple[str, str]) -> tuple[int, str, int, str]:
-    """Known arms first in a fixed order, then strategies in the study's order."""
+    """Known arms first in their canonical order (crucible.grid.names.ARMS), then strategies in
+    the study's order."""
     arm, strategy = key
-    arm_rank = _ARM_ORDER.index(arm) if arm in _ARM_ORDER else len(_ARM_ORDER)
-    strat_rank = STRATEGY_ORDER.index(strategy) if strategy in STRATEGY_ORDER else len(STRATEGY_ORDER)
+    arm_rank = ARMS.index(arm) if arm in ARMS else len(ARMS)
+    strat_rank = STRATEGIES.index(strategy) if strategy in STRATEGIES else len(STRATEGIES)
     return (arm_rank, arm, strat_rank, strategy)
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger
 
 from crucible.grid.cells import Cell
+from crucible.grid.key import CellKey
 from crucible.grid.spec import SweepSpec
 from crucible.registry.connect import make_client
 from flows.settings import FlowSettings
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from flows.sweep_flow import _Planned
 
 __all__ = ["has_result", "keep_study_result", "keeper", "keep_all", "with_result_files",
-           "cell_key_of", "finished"]
+           "seeded_key", "finished"]
 
 
 def keeper(spec: SweepSpec, by_run: dict[str | None, _Planned],
@@ -70,12 +71,10 @@ def keep_study_result(spec: SweepSpec, item: _Planned, settings: FlowSettings) -
                                item.cell.id, exc)
 
 
-def cell_key_of(run: dict[str, Any]) -> tuple[Any, ...]:
-    """The grid cell a run row is of, as `Cell.run_key` gives it: (arm, strategy or None for
-    a p = 0 baseline, p, label, seed); registry rows and result-file rows alike."""
-    baseline = float(run["p"]) == 0.0
-    return (run["compression"], None if baseline else run["strategy"], float(run["p"]),
-            run.get("label") or "", int(run["seed"]))
+def seeded_key(run: dict[str, Any], *, duration: int | None = None) -> tuple[CellKey, int]:
+    """(the grid cell a run row is of, its seed), as a `Cell`'s (key, seed): registry rows and
+    result-file rows alike (a p = 0 row is its arm's baseline)."""
+    return CellKey.of_row(run, duration=duration), int(run["seed"])
 
 
 def finished(run: dict[str, Any]) -> bool:
@@ -98,10 +97,10 @@ def with_result_files(spec: SweepSpec, runs: list[dict[str, Any]]) -> list[dict[
 
     results = load_results(spec)
     # a failed, cancelled or unfinished registry run of a cell does not hide the cell's file
-    have = {(cell_key_of(run), run.get("duration")) for run in runs if finished(run)}
+    have = {seeded_key(run, duration=run.get("duration")) for run in runs if finished(run)}
     files = [row for cell in result_cells(spec) if cell.id in results
              for row in [_row(cell.key, cell.seed, results[cell.id])]
-             if (cell_key_of(row), row["duration"]) not in have]
+             if seeded_key(row, duration=row["duration"]) not in have]
     if not files:
         return None
     # a run still owing records is no finished data point yet (as the registry reads it)

@@ -65,12 +65,12 @@ from flows.processes import end_prefect_flow_runs, flow_process
 from flows.run_flow import drain_spools, end_flow_runs, resolve_config, train_run
 from flows.settings import FlowSettings
 from flows.study_results import (
-    cell_key_of,
     finished,
     has_result,
     keep_all,
     keep_study_result,
     keeper,
+    seeded_key,
     with_result_files,
 )
 
@@ -476,8 +476,8 @@ def _cells_left(spec: SweepSpec, sweep_id: str, settings: FlowSettings) -> int:
     result file."""
     with make_client(settings) as client:
         runs = _items(client.list_runs(sweep_id=sweep_id))
-    done = {cell_key_of(run) for run in runs if finished(run)}
-    return sum(1 for c in spec.cells() if c.run_key not in done and not has_result(spec, c))
+    done = {seeded_key(run) for run in runs if finished(run)}
+    return sum(1 for c in spec.cells() if (c.key, c.seed) not in done and not has_result(spec, c))
 
 
 def _registry_status(results: list[dict[str, Any]],

@@ -1,48 +1,30 @@
-"""The cells of a sweep's or study's grid: `GridKey` (arm, strategy, p, label), `Cell` (a key
-and a seed, with the overrides that make its run) and `expand_cells`, the one order in which
-every runner takes them (crucible.grid.spec.SweepSpec.cells).
+"""The cells of a sweep's or study's grid: `Cell` (a key, `crucible.grid.key.CellKey`, and a
+seed, with the overrides that make its run) and `expand_cells`, the one order in which every
+runner takes them (crucible.grid.spec.SweepSpec.cells).
 
 Cells come with stable ids (`mapl-skip-p0.2-decode_sender-s1`: a study's result file names)
 and display labels (`mapl/skip/p=0.2/seed=1`: a sweep's run names), in run order: baselines,
 then the blog's core cells (skip/drop at p = 0.1 and 0.2), then the rest, seed-major within
 each tier, so a grid stopped early holds whole seeds. The p = 0 baseline does not depend on the
 mitigation strategy (nothing fails, so nothing is mitigated): it is one cell per (arm, seed),
-its strategy pinned to `BASELINE_STRATEGY`, so its resolved config, and therefore its
-fingerprint, is the same however the spec lists its strategies.
+its key's strategy None; its config's `faults.strategy` is pinned to
+`BASELINE_FAULTS_STRATEGY`, so its resolved config, and therefore its fingerprint, is the same
+however the spec lists its strategies.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from crucible.grid.names import ARMS, BASELINE_STRATEGY, STRATEGIES
+from crucible.grid.key import CellKey
+from crucible.grid.names import ARMS, BASELINE_FAULTS_STRATEGY, STRATEGIES
 
 if TYPE_CHECKING:
     from crucible.grid.spec import GridBlock, SweepSpec
 
-__all__ = ["GridKey", "Cell", "expand_cells", "grid_keys", "extra_cells"]
-
-
-@dataclass(frozen=True, order=True)
-class GridKey:
-    """A cell of the grid without its seed. p == 0 with strategy "base" is an arm's baseline."""
-
-    arm: str
-    strategy: str
-    p: float
-    label: str = ""
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.strategy == "base"
-
-    @property
-    def name(self) -> str:
-        if self.is_baseline:
-            return f"{self.arm}-base"
-        return f"{self.arm}-{self.strategy}-p{self.p:g}" + (f"-{self.label}" if self.label else "")
+__all__ = ["Cell", "expand_cells", "grid_keys", "extra_cells"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +32,7 @@ class Cell:
     """One run of a spec: its grid key and seed, the block's overrides, and its run tier
     (0 baselines, 1 the blog's core cells, 2 the rest)."""
 
-    key: GridKey
+    key: CellKey
     seed: int
     sets: tuple[str, ...] = ()          # the block's baseline-neutral overrides
     block: int | None = None            # grid block index; None for a baseline
@@ -60,8 +42,8 @@ class Cell:
     def of(cls, arm: str, strategy: str | None, p: float, seed: int) -> Cell:
         """An unlabelled cell (strategy None: the arm's p = 0 baseline)."""
         if strategy is None or p == 0.0:
-            return cls(GridKey(arm, "base", 0.0), seed)
-        key = GridKey(arm, strategy, float(p))
+            return cls(CellKey.baseline_of(arm), seed)
+        key = CellKey(arm, strategy, float(p))
         return cls(key, seed, tier=_tier(key))
 
     @property
@@ -71,7 +53,7 @@ class Cell:
     @property
     def strategy(self) -> str | None:
         """The mitigation strategy; None for a p = 0 baseline (it serves every strategy)."""
-        return None if self.key.is_baseline else self.key.strategy
+        return self.key.strategy
 
     @property
     def p(self) -> float:
@@ -80,12 +62,6 @@ class Cell:
     @property
     def is_baseline(self) -> bool:
         return self.key.is_baseline
-
-    @property
-    def run_key(self) -> tuple[str, str | None, float, str, int]:
-        """(arm, strategy or None for a baseline, p, label, seed): how a registry run or a
-        result file names its cell (flows.study_results.cell_key_of)."""
-        return (self.arm, self.strategy, self.p, self.key.label, self.seed)
 
     @property
     def baseline(self) -> Cell:
@@ -109,10 +85,10 @@ class Cell:
         (so a stray `faults.p=` in the extras cannot change which cell this is)."""
         return [*spec.common_overrides(), *self.sets,
                 f"pipeline.compression={self.arm}", f"faults.p={self.p!r}",
-                f"faults.strategy={self.strategy or BASELINE_STRATEGY}", f"seed={self.seed}"]
+                f"faults.strategy={self.strategy or BASELINE_FAULTS_STRATEGY}", f"seed={self.seed}"]
 
 
-def _tier(key: GridKey) -> int:
+def _tier(key: CellKey) -> int:
     from crucible.stats.claims import CLAIM_PS
 
     if key.is_baseline:
@@ -121,13 +97,13 @@ def _tier(key: GridKey) -> int:
     return 1 if core else 2
 
 
-def _key_order(key: GridKey) -> tuple[Any, ...]:
+def _key_order(key: CellKey) -> tuple[Any, ...]:
     arm = ARMS.index(key.arm) if key.arm in ARMS else len(ARMS)
     strategy = STRATEGIES.index(key.strategy) if key.strategy in STRATEGIES else -1
     return (not key.is_baseline, arm, key.label, strategy, key.p)
 
 
-def grid_keys(spec: SweepSpec) -> list[GridKey]:
+def grid_keys(spec: SweepSpec) -> list[CellKey]:
     """Every cell of the spec without seeds, baselines first, in a stable order."""
     return sorted({c.key for c in expand_cells(spec)}, key=_key_order)
 
@@ -162,14 +138,14 @@ def expand_cells(spec: SweepSpec, seeds: Iterable[int] | None = None) -> list[Ce
     for seed in chosen:
         for arm in arms:
             if seed in arm_seeds[arm]:
-                add(Cell(GridKey(arm, "base", 0.0), seed))
+                add(Cell(CellKey.baseline_of(arm), seed))
     for index, block in enumerate(blocks):
         for arm in block.arms:
             for strategy in block.strategies:
                 for p in block.p:
                     if p == 0.0:
                         continue
-                    key = GridKey(arm, strategy, p, block.label)
+                    key = CellKey(arm, strategy, p, block.label)
                     for seed in of(block):
                         add(Cell(key, seed, tuple(block.overrides), index, _tier(key)))
     order = {s: i for i, s in enumerate(chosen)}
@@ -180,36 +156,37 @@ def expand_cells(spec: SweepSpec, seeds: Iterable[int] | None = None) -> list[Ce
                   key=lambda c: (extra[c.seed], c.tier, order[c.seed], _key_order(c.key)))
 
 
-def extra_cells(spec: SweepSpec, wanted: list[tuple[tuple[str, str, float, str, int], int]],
-                runs: list[dict[str, Any]]) -> list[Cell]:
-    """The cells a precision round adds (`crucible.stats.seeds_wanted`): for each wide cell
-    as many of the lowest seeds it has no run of as it wants added, widest cell first (a
-    labelled cell with its block's overrides); and the p = 0 baseline of each new (arm, seed)
-    that has none yet, ahead of them."""
-    have: dict[tuple[str, str, float, str], set[int]] = {}
+def extra_cells(spec: SweepSpec, wanted: Iterable[tuple[CellKey, int]],
+                runs: Sequence[dict[str, Any]]) -> list[Cell]:
+    """The cells a precision round adds (`crucible.stats.seeds_wanted`: cell keys with their
+    duration, and how many seeds each wants): for each wide cell as many of the lowest seeds it
+    has no run of as it wants added, widest cell first (a labelled cell with its block's
+    overrides); and the p = 0 baseline of each new (arm, seed) that has none yet, ahead of
+    them."""
+    have: dict[CellKey, set[int]] = {}
     bases: set[tuple[str, int]] = set()
     for run in runs:
-        if float(run["p"]) == 0.0:
-            bases.add((run["compression"], int(run["seed"])))
+        key = CellKey.of_row(run)
+        if key.is_baseline:
+            bases.add((key.arm, int(run["seed"])))
         else:
-            have.setdefault((run["compression"], run["strategy"], float(run["p"]),
-                             run.get("label") or ""), set()).add(int(run["seed"]))
-    templates = {(c.arm, c.key.strategy, c.p, c.key.label): c for c in spec.cells()
-                 if not c.is_baseline}
+            have.setdefault(key, set()).add(int(run["seed"]))
+    templates = {c.key: c for c in spec.cells() if not c.is_baseline}
     added: list[Cell] = []
     baselines: list[Cell] = []
-    for (arm, strategy, p, label, _duration), count in wanted:
-        seeds = have.setdefault((arm, strategy, p, label), set())
-        template = templates.get((arm, strategy, p, label))
+    for wide, count in wanted:
+        key = CellKey(*wide[:4])          # the spec's keys carry no duration
+        seeds = have.setdefault(key, set())
+        template = templates.get(key)
         seed, new = 0, 0
         while new < count:
             if seed not in seeds:
                 seeds.add(seed)
                 new += 1
-                added.append(Cell.of(arm, strategy, p, seed) if template is None else
-                             dataclasses.replace(template, seed=seed))
-                if (arm, seed) not in bases:
-                    bases.add((arm, seed))
-                    baselines.append(Cell.of(arm, None, 0.0, seed))
+                added.append(Cell.of(key.arm, key.strategy, key.p, seed) if template is None
+                             else dataclasses.replace(template, seed=seed))
+                if (key.arm, seed) not in bases:
+                    bases.add((key.arm, seed))
+                    baselines.append(Cell.of(key.arm, None, 0.0, seed))
             seed += 1
     return baselines + added

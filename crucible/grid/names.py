@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = ["Compression", "BypassDecode", "BYPASS_DECODES", "Strategy", "RunStatus", "SweepStatus", "ARMS", "STRATEGIES",
-           "ARM_LABEL", "ARM_COLOR", "STRATEGY_DASH", "BASELINE_STRATEGY", "RUN_STATUSES", "SWEEP_STATUSES",
+           "ARM_LABEL", "ARM_COLOR", "STRATEGY_DASH", "BASELINE_FAULTS_STRATEGY", "RUN_STATUSES", "SWEEP_STATUSES",
            "UNFINISHED_STATUSES", "FINAL_STATUSES", "COMPLETED", "FAILED", "CANCELLED",
            "PENDING", "QUEUED", "RUNNING"]
 
@@ -30,9 +30,10 @@ ARM_LABEL: dict[str, str] = {"none": "uncompressed", "ssn": "SSN", "mapl": "MAPL
 ARM_COLOR: dict[str, str] = {"none": "#0072B2", "ssn": "#D55E00", "mapl": "#009E73"}
 STRATEGY_DASH: dict[str, str] = {"skip": "solid", "drop": "dash", "drop_extend": "dot",
                                  "reroute": "dashdot"}
-# the strategy a p = 0 baseline is run with: irrelevant (nothing fails), pinned so that its
-# resolved config, and so its fingerprint, is one whatever a sweep lists
-BASELINE_STRATEGY = "skip"
+# the `faults.strategy` a p = 0 baseline's *config* is run with: irrelevant (nothing fails),
+# pinned so that its resolved config, and so its fingerprint, is one whatever a sweep lists.
+# Not how a key names the baseline: that is strategy None (crucible.grid.key.CellKey).
+BASELINE_FAULTS_STRATEGY = "skip"
 
 RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 SWEEP_STATUSES: tuple[str, ...] = get_args(SweepStatus)

@@ -39,10 +39,10 @@ from pydantic import (
 )
 
 from crucible.grid.cells import Cell, expand_cells
-from crucible.grid.names import ARMS, BASELINE_STRATEGY, STRATEGIES, Compression, Strategy
+from crucible.grid.names import ARMS, BASELINE_FAULTS_STRATEGY, STRATEGIES, Compression, Strategy
 
 __all__ = ["Arm", "StrategyName", "PresetName", "SweepSpec", "GridBlock", "StudyFiles", "ARMS", "STRATEGIES", "PRESET_NAMES",
-           "BASELINE_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
+           "BASELINE_FAULTS_STRATEGY", "BASELINE_NEUTRAL_KEYS", "GRID_KEYS", "ANNOTATIONS",
            "DEMO_SPEC", "identity_of", "Reference", "ClaimTag", "CLAIM_TAGS", "References",
            "Claims", "check_references", "check_claims", "reference_values"]
 

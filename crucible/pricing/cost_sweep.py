@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crucible.grid.cells import GridKey
+from crucible.grid.key import BASELINE_NAME, CellKey
 from crucible.stats import Stat, stat_of
 
 __all__ = ["CostRow", "cell_key", "loss_at_money", "reach", "sweep_costs"]
@@ -36,21 +36,22 @@ __all__ = ["CostRow", "cell_key", "loss_at_money", "reach", "sweep_costs"]
 
 @dataclass(frozen=True)
 class CostRow:
-    key: GridKey
+    key: CellKey
     seed: int
     name: str
     cost: Mapping[str, Any]          # crucible.pricing.cost.run_cost's record
 
 
-def cell_key(summary: Mapping[str, Any], label: str = "") -> GridKey:
-    """The grid cell a run belongs to, from its config: p = 0 is the arm's baseline."""
+def cell_key(summary: Mapping[str, Any], label: str = "") -> CellKey:
+    """The grid cell a run belongs to, from its config: p = 0 is the arm's baseline (strategy
+    None, whatever `faults.strategy` its config was run with)."""
     config = summary["config"]
     faults = config.get("faults") or {}
     p = float(faults.get("p", 0.0))
-    strategy = "base" if p == 0.0 else str(faults.get("strategy"))
+    strategy = None if p == 0.0 else str(faults.get("strategy"))
     if not label and p and faults.get("process", "independent") != "independent":
         label = str(faults["process"])
-    return GridKey(config["pipeline"]["compression"], strategy, p, label)
+    return CellKey(config["pipeline"]["compression"], strategy, p, label)
 
 
 def reach(curve: Sequence[Mapping[str, Any]], target: float) -> dict[str, float] | None:
@@ -85,6 +86,12 @@ def loss_at_money(curve: Sequence[Mapping[str, Any]], budget: float) -> float | 
     return None if previous is None else float(previous["val_loss"])
 
 
+def _strategy(key: CellKey) -> str:
+    """A cell's strategy as the cost record (REST, the result files) spells it: the baseline's
+    is `BASELINE_NAME`."""
+    return BASELINE_NAME if key.strategy is None else key.strategy
+
+
 def _stat(values: Mapping[int, float]) -> dict[str, Any]:
     s: Stat = stat_of(values)
     return {"n": s.n, "mean": s.mean, "lo": s.lo, "hi": s.hi}
@@ -108,7 +115,7 @@ def _mean_curve(rows: Sequence[CostRow]) -> list[dict[str, float]]:
 
 def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
     """The sweep's cost record (JSON-ready): cells, curves and the cheapest strategy per p."""
-    by_key: dict[GridKey, list[CostRow]] = {}
+    by_key: dict[CellKey, list[CostRow]] = {}
     for row in rows:
         by_key.setdefault(row.key, []).append(row)
     if not by_key:
@@ -117,7 +124,7 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
     baselines = {key.arm: {r.seed: r for r in group} for key, group in by_key.items()
                  if key.is_baseline}
     cells = []
-    for key in sorted(by_key, key=lambda k: (k.arm, k.label, k.p, k.strategy)):
+    for key in sorted(by_key, key=lambda k: (k.arm, k.label, k.p, _strategy(k))):
         group = sorted(by_key[key], key=lambda r: r.seed)
         base = baselines.get(key.arm, {})
         losses = [float(b.cost["final_val_loss"]) for b in base.values()
@@ -139,7 +146,7 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
                 if loss is not None:
                     at_budget[row.seed] = loss
         cells.append({
-            "arm": key.arm, "strategy": key.strategy, "p": key.p, "label": key.label,
+            "arm": key.arm, "strategy": _strategy(key), "p": key.p, "label": key.label,
             "seeds": [r.seed for r in group], "runs": [r.name for r in group],
             "global_steps": _stat({r.seed: float(r.cost["global_steps"]) for r in group
                                    if "global_steps" in r.cost}),
@@ -163,7 +170,7 @@ def sweep_costs(rows: Iterable[CostRow]) -> dict[str, Any]:
 def _cheapest(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str, float], list[Mapping[str, Any]]] = {}
     for cell in cells:
-        if cell["strategy"] != "base":
+        if cell["strategy"] != BASELINE_NAME:
             groups.setdefault((cell["arm"], cell["label"], cell["p"]), []).append(cell)
     out = []
     for (arm, label, p), group in sorted(groups.items()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from crucible.grid.key import CellKey  # the claims' input is keyed by the grid's one cell key
 from crucible.stats.claims import (
     AGREES,
     BLOG_DROP,
@@ -51,7 +52,6 @@ from crucible.stats.intervals import (
     welch,
 )
 from crucible.stats.pairing import (
-    CellKey,
     GroupKey,
     baseline_ids,
     choose_baselines,
@@ -96,7 +96,7 @@ def sweep_claims(runs: list[dict[str, object]], *, duration: int | None = None,
     elif durations and duration not in durations:
         raise ValueError(f"no run of the sweep has failure duration {duration}; it has "
                          f"{', '.join(map(str, durations))}")
-    chosen = {CellKey(k.arm, k.strategy, k.p, k.label): {s: v for s, (v, _) in by_seed.items()}
+    chosen = {k._replace(duration=None): {s: v for s, (v, _) in by_seed.items()}
               for k, by_seed in cells.items() if k.duration == duration and k.p > 0}
     claims = evaluate_claims(chosen, close_margin=close_margin,
                              equivalence_margin=equivalence_margin, references=references,

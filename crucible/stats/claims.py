@@ -1,10 +1,11 @@
 """The blog's claims, decided by explicit rules on paired 95% intervals.
 
-Input: per grid cell (`CellKey`: arm, strategy, p, label), the per-seed degradations in points
-(100 (L - L0) / L0 against the same seed's baseline, `crucible.stats.pairing`). A cell that is
-planned but has no usable run yet maps to an empty dict, so its comparisons read "missing"
-rather than vanishing. The same function decides the claims for the study document, REST
-(`GET /api/v1/sweeps/{ref}/claims`), the sweep page's Claims panel and the Prefect artifact.
+Input: per grid cell (`crucible.grid.key.CellKey`: arm, strategy, p, label), the per-seed
+degradations in points (100 (L - L0) / L0 against the same seed's baseline,
+`crucible.stats.pairing`). A cell that is planned but has no usable run yet maps to an empty
+dict, so its comparisons read "missing" rather than vanishing. The same function decides the
+claims for the study document, REST (`GET /api/v1/sweeps/{ref}/claims`), the sweep page's
+Claims panel and the Prefect artifact.
 
 Claims (a)-(d) are the blog's, (e) the seed texts' reading of it at p = 0.01. Each comparison
 supports, contradicts, or leaves its claim unresolved; a claim agrees when all its comparisons
@@ -20,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from crucible.grid.key import CellKey
 from crucible.grid.names import ARM_LABEL, ARMS
 from crucible.stats.intervals import (
     MAX_SEEDS,
@@ -29,7 +31,6 @@ from crucible.stats.intervals import (
     slope,
     stat_of,
 )
-from crucible.stats.pairing import CellKey
 
 __all__ = ["Comparison", "Claim", "evaluate_claims", "BLOG_REFERENCES", "References", "claims_to_dict", "skip_minus_drop",
            "growth_slopes", "BLOG_SKIP", "BLOG_DROP", "CLAIM_PS", "LOW_P", "TABLE1_ARMS",

@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from crucible.grid.key import CellKey
 from crucible.grid.names import COMPLETED, FAILED, UNFINISHED_STATUSES
 from crucible.stats.intervals import (
     relative_degradation,
@@ -32,7 +33,7 @@ from crucible.stats.intervals import (
     t_quantile,
 )
 
-__all__ = ["GroupKey", "CellKey", "group_key", "is_baseline", "usable", "choose_baselines",
+__all__ = ["GroupKey", "group_key", "is_baseline", "usable", "choose_baselines",
            "baseline_ids", "paired_degradations", "robustness", "robustness_table",
            "column_name", "seeds_wanted"]
 
@@ -42,15 +43,6 @@ class GroupKey(NamedTuple):
     compression: str
     seed: int
     duration: int
-
-
-class CellKey(NamedTuple):
-    """A cell of a grid without its seeds."""
-    arm: str
-    strategy: str
-    p: float
-    label: str = ""
-    duration: int | None = None
 
 
 def group_key(run: Mapping[str, Any]) -> GroupKey:
@@ -107,8 +99,7 @@ def paired_degradations(runs: Sequence[Mapping[str, Any]]
     for run in runs:
         if is_baseline(run):
             continue
-        key = CellKey(str(run["compression"]), str(run["strategy"]), float(run["p"]),
-                      str(run.get("label") or ""), int(run["duration"]))
+        key = CellKey.of_row(run, duration=int(run["duration"]))
         strategies.setdefault((key.arm, key.duration), {})[(key.strategy, key.label)] = None
         by_seed = cells.setdefault(key, {})
         if not usable(run):
@@ -120,6 +111,7 @@ def paired_degradations(runs: Sequence[Mapping[str, Any]]
         value = relative_degradation(run["final_val_loss"], base["final_val_loss"])
         by_seed[int(run["seed"])] = (value, str(run["id"]))
     for group, base in chosen.items():
+        # the p = 0 row of each strategy's curve: the baseline, drawn under every strategy
         for strategy, label in strategies.get((group.compression, group.duration), ()):
             key = CellKey(group.compression, strategy, 0.0, label, group.duration)
             cells.setdefault(key, {})[group.seed] = (0.0, str(base["id"]))
@@ -182,10 +174,10 @@ def robustness_table(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds: int
-                 ) -> list[tuple[tuple[str, str, float, str, int], int]]:
-    """Seeds by precision: ((compression, strategy, p, label, duration), seeds to add in the next
-    round) for every cell at p > 0 whose paired 95% half-width is above `target` and
-    that has fewer than `max_seeds` seeds, widest first (a cell without an interval yet counts
+                 ) -> list[tuple[CellKey, int]]:
+    """Seeds by precision: (the cell's key with its duration, seeds to add in the next round)
+    for every cell at p > 0 whose paired 95% half-width is above `target` and that has fewer
+    than `max_seeds` seeds, widest first (a cell without an interval yet counts
     as widest). It should have what its measured sd says a ±target interval needs
     (`seeds_for_half_width`; 2 while it has no sd), at least one more than its usable seeds,
     at most `max_seeds`: the difference is added (runs that exist but are not usable, a failed
@@ -207,8 +199,7 @@ def seeds_wanted(items: Sequence[Mapping[str, Any]], *, target: float, max_seeds
         else:
             sd = half * math.sqrt(n) / t_quantile(0.975, n - 1)
             need = seeds_for_half_width(sd, target, cap=max_seeds) or max_seeds
-        key = (str(item["compression"]), str(item["strategy"]), float(item["p"]),
-               str(item.get("label") or ""), int(item["duration"]))
+        key = CellKey.of_row(item, duration=int(item["duration"]))
         wanted.append((half, key, min(max_seeds, max(n + 1, need)) - n))
     wanted.sort(key=lambda w: (-w[0], w[1]))
     return [(key, count) for _, key, count in wanted]

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from crucible.grid.key import BASELINE_NAME
 from crucible.study.formatting import _table
 
 __all__ = ["DEPLOYMENTS", "DEPLOYMENTS_DIR", "study_costs", "cost_section"]
@@ -81,7 +82,7 @@ def _cell(cell: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
 
 def _target(cell: Mapping[str, Any], unit: str) -> str:
     target = cell["target"]
-    if cell["strategy"] == "base":
+    if cell["strategy"] == BASELINE_NAME:
         return "(the target)"
     if not target["reached"]:
         return f"not reached (0 of {target['of']})"
@@ -156,7 +157,7 @@ def _reading(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """What the tables say, in sentences generated from them."""
     out = []
     for record in records:
-        base = {c["arm"]: c for c in record["cells"] if c["strategy"] == "base"
+        base = {c["arm"]: c for c in record["cells"] if c["strategy"] == BASELINE_NAME
                 and c["cost"]["mean"]}
         same = [c for c in record["cells"] if c["strategy"] in ("skip", "drop", "reroute")
                 and c["arm"] in base]

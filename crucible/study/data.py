@@ -9,18 +9,20 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from crucible.grid.cells import GridKey, grid_keys
+from crucible.grid.cells import grid_keys
+from crucible.grid.key import CellKey
 from crucible.grid.names import COMPLETED
 from crucible.grid.spec import SweepSpec
-from crucible.stats import CellKey, Claim, Stat, evaluate_claims, paired_degradations, stat_of
+from crucible.stats import Claim, Stat, evaluate_claims, paired_degradations, stat_of
 from crucible.study.runner import load_results
 from crucible.study.spec import DEFAULT_SPEC, load_spec, result_cells
 
 NOISE_FLOOR_Z = 1.96      # one seed's value lies within ± 1.96 sd of its cell's mean (95%)
 
 
-def _row(key: GridKey, seed: int, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """A committed result as the pairing rule's run row (a result file is a completed run)."""
+def _row(key: CellKey, seed: int, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A committed result as the pairing rule's run row, the registry's shape (a result file is
+    a completed run; a baseline's strategy None, as the registry stores it)."""
     faults = (summary.get("config") or {}).get("faults") or {}
     return {"id": f"{key.name}-s{seed}", "compression": key.arm,
             "strategy": key.strategy, "p": key.p, "label": key.label, "seed": seed,
@@ -36,24 +38,24 @@ class StudyData:
         self.results = dict(results)
         self.cells = result_cells(spec)
         self.keys = grid_keys(spec)
-        self.by_key: dict[GridKey, dict[int, dict[str, Any]]] = {}
+        self.by_key: dict[CellKey, dict[int, dict[str, Any]]] = {}
         for cell in self.cells:
             if cell.id in self.results:
                 self.by_key.setdefault(cell.key, {})[cell.seed] = self.results[cell.id]
 
-    def runs(self, key: GridKey) -> dict[int, dict[str, Any]]:
+    def runs(self, key: CellKey) -> dict[int, dict[str, Any]]:
         return self.by_key.get(key, {})
 
     def baseline(self, arm: str) -> dict[int, dict[str, Any]]:
-        return self.runs(GridKey(arm, "base", 0.0))
+        return self.runs(CellKey.baseline_of(arm))
 
-    def degradation(self, key: GridKey) -> dict[int, float]:
+    def degradation(self, key: CellKey) -> dict[int, float]:
         """Per seed: 100 (L - L0) / L0 against the baseline the one pairing rule gives
         (crucible.stats.pairing: the same arm's same-seed p = 0 run; 0 at p = 0)."""
         base = self.baseline(key.arm)
         if key.is_baseline or key.p == 0.0:
             return {s: 0.0 for s in base}
-        rows = ([_row(GridKey(key.arm, "base", 0.0), s, r) for s, r in base.items()]
+        rows = ([_row(CellKey.baseline_of(key.arm), s, r) for s, r in base.items()]
                 + [_row(key, s, r) for s, r in self.runs(key).items()])
         cells, _ = paired_degradations(rows)
         found = next((v for k, v in cells.items() if k.p == key.p and k.label == key.label), {})
@@ -62,8 +64,7 @@ class StudyData:
     def claim_cells(self) -> dict[CellKey, dict[int, float]]:
         """Every grid cell (run or not yet) with its per-seed degradations: the input of the
         claims (crucible.stats.claims)."""
-        return {CellKey(k.arm, k.strategy, k.p, k.label): self.degradation(k)
-                for k in self.grid()}
+        return {k: self.degradation(k) for k in self.grid()}
 
     def claims(self) -> list[Claim]:
         """The blog's claims (a)-(e) decided on this study's data, with its spec's margins."""
@@ -71,18 +72,18 @@ class StudyData:
                                equivalence_margin=self.spec.equivalence_margin,
                                references=self.spec.reference_values(), only=self.spec.claims)
 
-    def stat(self, key: GridKey) -> Stat:
+    def stat(self, key: CellKey) -> Stat:
         return stat_of(self.degradation(key))
 
-    def mean_of(self, key: GridKey, fn: Callable[[dict[str, Any]], float | None]) -> float | None:
+    def mean_of(self, key: CellKey, fn: Callable[[dict[str, Any]], float | None]) -> float | None:
         values = [v for v in (fn(run) for run in self.runs(key).values()) if v is not None]
         return statistics.fmean(values) if values else None
 
-    def grid(self) -> list[GridKey]:
+    def grid(self) -> list[CellKey]:
         return [k for k in self.keys if not k.is_baseline]
 
-    def find(self, arm: str, strategy: str, p: float, label: str = "") -> GridKey | None:
-        key = GridKey(arm, strategy, p, label)
+    def find(self, arm: str, strategy: str, p: float, label: str = "") -> CellKey | None:
+        key = CellKey(arm, strategy, p, label)
         return key if key in self.keys else None
 
 

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from crucible.grid.cells import GridKey, expand_cells
+from crucible.grid.cells import expand_cells
+from crucible.grid.key import CellKey
 from crucible.grid.names import ARM_LABEL, ARMS
 from crucible.grid.spec import SweepSpec
 from crucible.runfiles import write_text_atomic
@@ -334,7 +335,7 @@ def _baselines_table(data: StudyData) -> list[str]:
     rows = []
     for arm in ARMS:
         runs = data.baseline(arm)
-        if GridKey(arm, "base", 0.0) not in data.keys:
+        if CellKey.baseline_of(arm) not in data.keys:
             continue
         losses = [r["final_val_loss"] for r in runs.values()]
         initial = [r["initial_val_loss"] for r in runs.values()

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from crucible.grid.cells import GridKey
+from crucible.grid.key import CellKey
 from crucible.grid.names import ARM_COLOR, ARM_LABEL, ARMS, STRATEGY_DASH
 from crucible.grid.spec import SweepSpec
 from crucible.runfiles import write_bytes_atomic
@@ -51,7 +51,7 @@ def build_figures(data: StudyData) -> dict[str, Any]:
             points = [(0.0, 0.0, 0.0, 0.0, len(data.baseline(arm)))]
             for p in sorted(k.p for k in data.grid() if k.arm == arm
                             and k.strategy == strategy and not k.label):
-                s = data.stat(GridKey(arm, strategy, p))
+                s = data.stat(CellKey(arm, strategy, p))
                 if s.mean is not None:
                     points.append((p, s.mean, s.lo if s.lo is not None else s.mean,
                                    s.hi if s.hi is not None else s.mean, s.n))

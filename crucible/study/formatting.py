@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from crucible.grid.cells import GridKey
+from crucible.grid.key import CellKey
 from crucible.grid.names import ARM_LABEL
 from crucible.stats import (
     AGREES,
@@ -48,7 +48,7 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return lines
 
 
-def _variant(key: GridKey) -> str:
+def _variant(key: CellKey) -> str:
     return key.label or "-"
 
 
@@ -102,7 +102,7 @@ def _seeds_needed(claim: Claim) -> str:
     return parts[0] + (f" (and {'; '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
-def _cell_name(key: GridKey) -> str:
+def _cell_name(key: CellKey) -> str:
     parts = [ARM_LABEL[key.arm], key.strategy, f"p = {key.p:g}"]
     if key.label:
         parts.append(key.label)

@@ -226,24 +226,27 @@ def test_reach_interpolates_and_says_not_reached():
 
 
 def test_sweep_costs_pairs_by_seed_and_names_the_cheapest():
-    from crucible.grid.cells import GridKey
+    from crucible.grid.key import CellKey
     from crucible.pricing.cost_sweep import CostRow, sweep_costs
 
     def row(strategy, p, seed, losses, costs):
         curve = [{"global_step": i, "val_loss": v, "wall_s": 100.0 * c, "cost": c}
                  for i, (v, c) in enumerate(zip(losses, costs, strict=True))]
-        return CostRow(key=GridKey("none", strategy, p), seed=seed, name=f"{strategy}-{seed}",
+        return CostRow(key=CellKey("none", strategy, p), seed=seed,
+                       name=f"{strategy or 'base'}-{seed}",
                        cost={"deployment": "d", "pricing": "on_demand", "currency": "USD",
                              "curve": curve, "final_val_loss": losses[-1], "cost": costs[-1],
                              "wall_s": 100.0 * costs[-1], "accelerator_hours": costs[-1]})
 
-    rows = [row("base", 0.0, 0, [5, 2.0], [0, 10]), row("base", 0.0, 1, [5, 2.2], [0, 10]),
+    rows = [row(None, 0.0, 0, [5, 2.0], [0, 10]), row(None, 0.0, 1, [5, 2.2], [0, 10]),
             # drop never gets to its baseline; extend gets there at 15 and 13.33
             row("drop", 0.2, 0, [5, 2.5], [0, 9]), row("drop", 0.2, 1, [5, 2.6], [0, 9]),
             row("drop_extend", 0.2, 0, [5, 2.5, 1.5], [0, 10, 20]),
             row("drop_extend", 0.2, 1, [5, 2.5, 1.6], [0, 10, 20])]
     record = sweep_costs(rows)
     cells = {c["strategy"]: c for c in record["cells"]}
+    # the record (REST, the result files) spells the baseline "base"; its key, strategy None
+    assert cells["base"]["p"] == 0.0 and cells["base"]["runs"] == ["base-0", "base-1"]
     assert cells["drop"]["target"]["reached"] == 0
     assert cells["drop_extend"]["target"]["reached"] == 2
     assert cells["drop_extend"]["target"]["cost"]["mean"] == pytest.approx((15 + 40 / 3) / 2)

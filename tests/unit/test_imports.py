@@ -317,6 +317,21 @@ def test_runfiles_imports_only_the_standard_library():
     assert loaded == [], "`import crucible.runfiles` imports torch"
 
 
+@pytest.mark.parametrize("module", ["grid/names.py", "grid/key.py"])
+def test_the_grids_names_and_cell_key_import_only_the_standard_library(module):
+    """The names (arms, strategies, palette) and the one cell key (crucible.grid.key.CellKey)
+    sit below every layer that uses them, `crucible.stats` included: the standard library and
+    each other only, not even lazily."""
+    path = PACKAGE / module
+    found = []
+    for node in _imports(ast.parse(path.read_text(), filename=str(path)), lazy=True):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
+            else ["." * node.level + (node.module or "")]
+        found += [n for n in names if n not in ("__future__", "crucible.grid.names")
+                  and n.split(".")[0] not in sys.stdlib_module_names]
+    assert not found, f"crucible/{module} imports outside the standard library: {found}"
+
+
 # --- the torch-free rooms of the library ----------------------------------------------------
 
 # what the API, the dashboards, the flows and the command line import: never torch

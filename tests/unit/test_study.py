@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from cli.study import here_arithmetic, register
 from crucible import stats, study
 from crucible.config import apply_overrides
-from crucible.grid.cells import Cell, GridKey, expand_cells
+from crucible.grid.cells import Cell, expand_cells
+from crucible.grid.key import CellKey
 from crucible.grid.spec import SweepSpec
 from crucible.presets import get_preset
 from crucible.study.document import _missing_count
@@ -325,7 +326,7 @@ def test_slim_summary_keeps_small_summaries_whole() -> None:
 def test_statistics_against_hand_computed_values(spec: SweepSpec) -> None:
     fill(spec, {"ssn-skip-p0.1": [1.0, 2.0, 3.0], "ssn-drop-p0.1": [4.0, 6.0, 5.0]})
     data = study.StudyData(spec, study.load_results(spec))
-    s = data.stat(GridKey("ssn", "skip", 0.1))
+    s = data.stat(CellKey("ssn", "skip", 0.1))
     # mean 2, sd 1, t(0.975, 2) = 4.302653 -> half-width 4.302653 / sqrt(3) = 2.484138
     assert s.n == 3 and s.seeds == (0, 1, 2)
     assert s.mean == pytest.approx(2.0)
@@ -341,21 +342,21 @@ def test_statistics_against_hand_computed_values(spec: SweepSpec) -> None:
     # their own (seed 0 keeps 2.0); the cell's losses stay 2.0 * (1 + d / 100) = 2.02, 2.04, 2.06
     for seed, base_loss in ((1, 2.5), (2, 1.6)):
         [cell] = [c for c in expand_cells(spec)
-                  if c.key == GridKey("ssn", "base", 0.0) and c.seed == seed]
+                  if c.key == CellKey.baseline_of("ssn") and c.seed == seed]
         study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, base_loss, spec=spec)))
     rebased = study.StudyData(spec, study.load_results(spec))
-    skip = GridKey("ssn", "skip", 0.1)
+    skip = CellKey("ssn", "skip", 0.1)
     # by hand: 100 (2.02 - 2.0) / 2.0 = 1.0, 100 (2.04 - 2.5) / 2.5 = -18.4,
     # 100 (2.06 - 1.6) / 1.6 = 28.75 (against seed 0's 2.0 every seed would read 1, 2, 3 again)
     assert rebased.degradation(skip) == pytest.approx({0: 1.0, 1: -18.4, 2: 28.75})
     assert rebased.stat(skip).mean == pytest.approx((1.0 - 18.4 + 28.75) / 3)
-    assert rebased.degradation(GridKey("ssn", "base", 0.0)) == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert rebased.degradation(CellKey.baseline_of("ssn")) == {0: 0.0, 1: 0.0, 2: 0.0}
 
 
 def test_one_seed_has_no_interval_and_missing_cells_are_counted(spec: SweepSpec) -> None:
     fill(spec, {"none-skip-p0.1": [0.7]})
     data = study.StudyData(spec, study.load_results(spec))
-    s = data.stat(GridKey("none", "skip", 0.1))
+    s = data.stat(CellKey("none", "skip", 0.1))
     assert s.n == 1 and s.lo is None and s.half is None and s.sd is None
     text = study.render_markdown(data)
     assert "+0.70% (n=1, no interval)" in text

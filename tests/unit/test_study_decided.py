@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from crucible import stats, study
-from crucible.grid.cells import GridKey, expand_cells
+from crucible.grid.cells import expand_cells
+from crucible.grid.key import CellKey
 from crucible.grid.names import ARM_LABEL, ARMS
 from crucible.grid.spec import SweepSpec
 from crucible.stats import t_quantile
@@ -613,14 +614,14 @@ def test_a_precision_rounds_seeds_are_read_back_and_not_owed(tmp_path: Path) -> 
                                                 'strategies = ["skip"]\np = [0.1]\n'))
     fill(spec, {"ssn-skip-p0.1": [0.5, 0.7]})
     assert study.StudyData(spec, study.load_results(spec)).degradation(
-        GridKey("ssn", "skip", 0.1)).keys() == {0, 1}
+        CellKey("ssn", "skip", 0.1)).keys() == {0, 1}
     for cell in study.result_cells(spec):                  # seed 2: what a round added
         if cell.seed == 2:
             loss = 2.0 if cell.key.is_baseline else 2.0 * 1.009
             study.result_path(spec, cell).write_text(json.dumps(fake_summary(cell, loss,
                                                                              spec=spec)))
     data = study.StudyData(spec, study.load_results(spec))
-    assert sorted(data.degradation(GridKey("ssn", "skip", 0.1))) == [0, 1, 2]
+    assert sorted(data.degradation(CellKey("ssn", "skip", 0.1))) == [0, 1, 2]
     assert _missing_count(data) == (0, 4)
 
 

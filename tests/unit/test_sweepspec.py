@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from crucible.grid.cells import expand_cells
-from crucible.grid.spec import BASELINE_STRATEGY, DEMO_SPEC, SweepSpec
+from crucible.grid.key import CellKey
+from crucible.grid.spec import BASELINE_FAULTS_STRATEGY, DEMO_SPEC, SweepSpec
 
 
 def _error(**kwargs: object) -> str:
@@ -73,6 +74,25 @@ def test_baselines_are_shared_by_strategies() -> None:
     assert all(c.strategy is None for c in baselines)
 
 
+def test_one_cell_key_with_none_for_the_baseline_and_the_edge_spellings_kept() -> None:
+    spec = SweepSpec(arms=["mapl"], strategies=["skip"], failure_probabilities=[0.0, 0.2],
+                     seeds=[0])
+    base, skip = expand_cells(spec)
+    assert base.key == CellKey.baseline_of("mapl") == CellKey("mapl", None, 0.0)
+    assert base.key.is_baseline and not skip.key.is_baseline
+    assert skip.key == CellKey("mapl", "skip", 0.2)
+    # ids, labels and the baseline's config keep their spellings (result files, run names,
+    # fingerprints)
+    assert (base.id, skip.id) == ("mapl-base-s0", "mapl-skip-p0.2-s0")
+    assert base.label == "mapl/baseline/p=0/seed=0"
+    assert f"faults.strategy={BASELINE_FAULTS_STRATEGY}" in base.overrides(spec)
+    assert BASELINE_FAULTS_STRATEGY == "skip"
+    # a registry row or a result file's row: p = 0 is the baseline whatever strategy it names
+    row = {"compression": "mapl", "strategy": "skip", "p": 0.0, "label": None, "seed": 0}
+    assert CellKey.of_row(row) == base.key
+    assert CellKey.of_row({**row, "p": 0.2}, duration=6) == CellKey("mapl", "skip", 0.2, "", 6)
+
+
 def test_duplicates_collapse() -> None:
     spec = SweepSpec(arms=["ssn", "ssn"], strategies=["skip", "skip"],
                      failure_probabilities=[0.1, 0.1], seeds=[3, 3])
@@ -84,7 +104,7 @@ def test_cell_overrides_pin_the_cell_after_extras() -> None:
     baseline = expand_cells(spec)[0]
     assert baseline.overrides(spec) == [
         "replicas=2", "train.global_steps=3", "faults.duration=2", "pipeline.compression=ssn",
-        "faults.p=0.0", f"faults.strategy={BASELINE_STRATEGY}", "seed=0"]
+        "faults.p=0.0", f"faults.strategy={BASELINE_FAULTS_STRATEGY}", "seed=0"]
 
 
 @pytest.mark.parametrize("key", ["faults.p", "faults.strategy", "pipeline.compression", "seed"])
