@@ -1,7 +1,13 @@
-"""`crucible launch`: a distributed run, one process per replica (see `crucible.distributed`).
+"""`crucible launch`: a distributed run, one process per replica (see `crucible.distributed`),
+or with `--pipeline` one process per stage of every replica (`crucible.distributed.pipeline`).
 
     crucible launch --preset smoke --nproc 2 [--set key=value ...] --out DIR \
         [--kill REPLICA@STEP ...] [--kill-forever REPLICA@STEP ...] [--restarts N] [--lease-s S]
+    crucible launch --pipeline --preset smoke --nproc 2 [--set key=value ...] --out DIR \
+        [--micro-batches M] [--link-timeout S] [--restarts N]
+
+In the pipeline mode the fault plan's stage failures are real: the stage process is killed at
+the start of its planned global step and restarted to rejoin when the plan says.
 
 Exit 0 with DIR/summary.json written (also when a replica never came back: a warning names it,
 and the summary's `distributed.lost` says why); 2 for bad input (message names the option and
@@ -50,7 +56,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-forever", action="append", default=[], metavar="R@STEP",
                    help="as --kill, but the replica is not restarted")
     add_recovery_arguments(p)
+    p.add_argument("--pipeline", action="store_true",
+                   help="one process per stage-replica (R x S), ZeroMQ links between stages")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="--pipeline: micro-batches per inner step, fill-drain (default 1: the "
+                        "simulator's arithmetic)")
+    p.add_argument("--link-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="--pipeline: how long a stage waits for a message before it fails")
     return p
+
+
+def _pipeline(args: argparse.Namespace, config) -> int:
+    from crucible.distributed.pipeline.launch import launch_pipeline
+
+    try:
+        summary = launch_pipeline(config, out_dir=args.out, micro_batches=args.micro_batches,
+                                  restarts=args.restarts, link_timeout_s=args.link_timeout)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the stage processes were stopped; {args.out} holds a partial run",
+              file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    pipe = summary["pipeline"]
+    print(json.dumps({"final_val_loss": summary["final_val_loss"],
+                      "tokens_processed": summary["tokens_processed"],
+                      "wall_s": summary["wall_s"], "replicas_agree": pipe["replicas_agree"],
+                      "link_bytes": pipe["links"]["sent_bytes"],
+                      "refused_messages": pipe["links"]["refused"], "out": str(args.out)},
+                     indent=2))
+    return 0
 
 
 def launch_main(argv: list[str]) -> int:
@@ -71,12 +110,27 @@ def launch_main(argv: list[str]) -> int:
             raise ConfigError(f"--out {args.out} is not a folder; pass a new folder")
         if args.out.exists() and (args.out / "run.json").exists():
             raise ConfigError(f"--out {args.out} already holds a run; pass a new folder")
+        if args.pipeline and kills:
+            raise ConfigError("--kill and --kill-forever kill whole replicas; with --pipeline "
+                              "the fault plan's stage failures are the kills (set faults.p and "
+                              "faults.strategy)")
+        if args.pipeline:
+            from crucible.distributed.pipeline.stage import check_pipeline
+            check_pipeline(config, micro_batches=args.micro_batches)
+            if args.link_timeout <= 0:
+                raise ConfigError(f"--link-timeout must be > 0 seconds, got {args.link_timeout}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None   # a cancel too
+    if args.pipeline:
+        try:
+            return _pipeline(args, config)
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     try:
         summary = launch(config, out_dir=args.out, kills=kills, restarts=args.restarts,
                          lease_s=args.lease_s)

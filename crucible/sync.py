@@ -109,9 +109,11 @@ class OuterSync:
 
     def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str,
                  transfer_threads: int = TRANSFER_THREADS,
-                 replicas: list[int] | None = None) -> None:
+                 replicas: list[int] | None = None, stages: list[int] | None = None) -> None:
         """`replicas`: the replicas whose rows `model` holds, in row order (all R by default;
-        a replica process holds one)."""
+        a replica process holds one); `stages`: the stages it holds (all S by default; a stage
+        process of the pipeline mode holds one). A stage not held has no global weights here
+        (an empty dict) and takes no part in the round."""
         if transfer_threads < 0:
             raise ValueError(f"transfer_threads must be >= 0, got {transfer_threads}")
         self.config, self.model, self.store, self.run_key = config, model, store, run_key
@@ -123,7 +125,9 @@ class OuterSync:
         if len(held) != model.R:
             raise ValueError(f"the model holds {model.R} replica rows, not {len(held)}")
         self.rows = {replica: row for row, replica in enumerate(held)}   # replica -> its row
-        self.global_weights = [model.replica_weights(replica=0, stage=s) for s in range(S)]
+        self.stages = list(range(S)) if stages is None else sorted(stages)
+        self.global_weights = [model.replica_weights(replica=0, stage=s) if s in self.stages
+                               else {} for s in range(S)]
         self.shapes = [{n: tuple(t.shape) for n, t in w.items()} for w in self.global_weights]
         sl = config.sparseloco
         self.max_blob_bytes = [dense_bytes(shapes) if self.method == "diloco" else
@@ -134,7 +138,7 @@ class OuterSync:
                                        device=t.device)
                         for n, t in w.items()} for w in self.global_weights]
         momentum = config.sparseloco.outer_momentum if self.method == "diloco" else 0.0
-        self.device = next(iter(self.global_weights[0].values())).device
+        self.device = next(iter(self.global_weights[self.stages[0]].values())).device
         self.codec_s = dict.fromkeys(PHASES, 0.0)
         self.outer = [OuterSGD(lr=config.sparseloco.resolved_outer_lr, momentum=momentum,
                                nesterov=momentum > 0) for _ in range(S)]
@@ -153,19 +157,19 @@ class OuterSync:
         replicas it holds). Every stage is encoded and its uploads handed to the transfer
         threads first; then, stage by stage: its own uploads are waited for, the peers
         (`_await_peers`), the agreed set is fixed, aggregated and applied."""
-        S = self.config.pipeline.stages
+        stages = self.stages
         if self.method == "ddp":
-            return [self._ddp_refresh(stage, contributes[:, stage]) for stage in range(S)]
-        results = [StageSyncResult(stage=stage) for stage in range(S)]
+            return [self._ddp_refresh(stage, contributes[:, stage]) for stage in stages]
+        results = {stage: StageSyncResult(stage=stage) for stage in stages}
         # per stage, the replicas that trained it this round and so contribute, ascending
-        made = [[r for r in range(self.config.replicas) if bool(contributes[r, stage])]
-                for stage in range(S)]
+        made = {stage: [r for r in range(self.config.replicas) if bool(contributes[r, stage])]
+                for stage in stages}
         manifests = []
         with self._transfers() as pool:  # leaving it waits for every upload, even on an error
-            pending = [self._encode_and_upload(pool, global_step, stage,
-                                               [r for r in made[stage] if r in self.rows],
-                                               results[stage]) for stage in range(S)]
-            for stage in range(S):
+            pending = {stage: self._encode_and_upload(pool, global_step, stage,
+                                                      [r for r in made[stage] if r in self.rows],
+                                                      results[stage]) for stage in stages}
+            for stage in stages:
                 with self._phase("upload_wait"):
                     for future in pending[stage]:
                         seconds, written = future.result()   # an upload's error is raised here
@@ -183,7 +187,7 @@ class OuterSync:
         if keep:
             prune_rounds(self.store, self.run_key, keep_from=global_step + 1 - keep)
         self._round_over(global_step, manifests)
-        return results
+        return [results[stage] for stage in stages]
 
     # -- what a round beside peers in other processes changes (no-ops here) -----------------------
     def _await_peers(self, global_step: int, stage: int, made: list[int]) -> None:

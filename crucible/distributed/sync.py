@@ -30,7 +30,7 @@ from crucible.pipeline import ReplicatedPipeline
 from crucible.store import InvalidObject, KeyNotFound, ObjectTooLarge, Store
 from crucible.sync import OuterSync, StageSyncResult
 
-__all__ = ["ReplicaSync", "snapshot_key"]
+__all__ = ["ReplicaSync", "snapshot_key", "stage_snapshot_key"]
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.02
@@ -39,6 +39,11 @@ _POLL_S = 0.02
 def snapshot_key(run: str, global_step: int) -> str:
     """Key of the global weights after `global_step`'s outer round."""
     return f"{run}/global/{global_step:08d}"
+
+
+def stage_snapshot_key(run: str, stage: int, global_step: int) -> str:
+    """Key of one stage's global weights after `global_step`'s round (the pipeline mode)."""
+    return f"{run}/global/stage-{stage}/{global_step:08d}"
 
 
 class ReplicaSync(OuterSync):
@@ -50,8 +55,11 @@ class ReplicaSync(OuterSync):
     late_ok = True
 
     def __init__(self, config: Config, model: ReplicatedPipeline, *, store: Store, run_key: str,
-                 replica: int) -> None:
-        super().__init__(config, model, store=store, run_key=run_key, replicas=[replica])
+                 replica: int, stages: list[int] | None = None) -> None:
+        """`stages`: the stages this process holds (all by default; a stage process of the
+        pipeline mode holds one, and its snapshots are that stage's, `snapshot_prefix`)."""
+        super().__init__(config, model, store=store, run_key=run_key, replicas=[replica],
+                         stages=stages)
         self.replica = replica
         self.timeout_s = config.sparseloco.round_timeout_s
         self.waits_s: list[float] = []       # per round: time spent waiting for peers
@@ -65,7 +73,7 @@ class ReplicaSync(OuterSync):
         of the round exists or the round's deadline (`sparseloco.round_timeout_s` after this
         replica's first stage is uploaded) has passed; the wait is added to `waits_s`."""
         started = time.monotonic()
-        if stage == 0:
+        if stage == self.stages[0]:
             self._deadline = started + self.timeout_s
             self.waits_s.append(0.0)
         manifest = manifest_key(self.run_key, global_step, stage)
@@ -109,19 +117,26 @@ class ReplicaSync(OuterSync):
         buffer = io.BytesIO()
         torch.save([{n: t.detach().cpu() for n, t in w.items()} for w in self.global_weights],
                    buffer)
-        self.store.put_if_absent(snapshot_key(self.run_key, global_step), buffer.getvalue())
+        self.store.put_if_absent(self._snapshot_key(global_step), buffer.getvalue())
+
+    def _snapshot_key(self, global_step: int) -> str:
+        """Where this process's snapshots go: the run's (every stage), or one stage's."""
+        if len(self.stages) == self.config.pipeline.stages:
+            return snapshot_key(self.run_key, global_step)
+        return stage_snapshot_key(self.run_key, self.stages[0], global_step)
 
     def catch_up(self, *, through: int = -1, timeout_s: float = 0.0) -> int:
         """Restore the global weights of the newest round the store has agreed: the newest
         snapshot, then every later round whose manifests all exist, replayed. First waits (up
         to `timeout_s`) until round `through` is agreed: a replica killed in that round does
         not contribute to it. Returns the next global step to train."""
-        S = self.config.pipeline.stages
+        held = self.stages
         deadline = time.monotonic() + timeout_s
         while through >= 0 and time.monotonic() < deadline and not all(
-                self.store.exists(manifest_key(self.run_key, through, s)) for s in range(S)):
+                self.store.exists(manifest_key(self.run_key, through, s)) for s in held):
             time.sleep(_POLL_S * 5)
-        snapshots = sorted(self.store.list(f"{self.run_key}/global/"))
+        prefix = self._snapshot_key(0).rsplit("/", 1)[0] + "/"
+        snapshots = sorted(k for k in self.store.list(prefix) if "/" not in k[len(prefix):])
         start = 0
         if snapshots:
             key = snapshots[-1]
@@ -132,13 +147,13 @@ class ReplicaSync(OuterSync):
             start = int(key.rsplit("/", 1)[1]) + 1
         g = start
         while True:
-            keys = [manifest_key(self.run_key, g, s) for s in range(S)]
+            keys = [manifest_key(self.run_key, g, s) for s in held]
             if not all(self.store.exists(k) for k in keys):
                 break
-            for stage in range(S):
+            for stage in held:
                 self._apply(stage, self._replayed(g, stage))
             g += 1
-        for stage in range(S):
+        for stage in held:
             self.model.set_stage(stage, self.global_weights[stage])
         log.info("replica %d caught up: snapshot %d, replayed to global step %d", self.replica,
                  start - 1, g)

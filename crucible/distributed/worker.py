@@ -69,7 +69,7 @@ from crucible.strategy import StepPlan
 from crucible.sync import StageSyncResult
 from crucible.train import Trainer, _versions
 
-__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "main"]
+__all__ = ["ReplicaTrainer", "check_distributed", "clip_as_batched", "clip_coefficient", "main"]
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "ready"
@@ -250,14 +250,21 @@ def clip_as_batched(params: list[torch.Tensor], max_norm: float, *, replica: int
     if not grads:
         return
     per_tensor = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
-    wide = torch.zeros(per_tensor.shape[0], replicas, dtype=per_tensor.dtype,
-                       device=per_tensor.device)
-    wide[:, replica] = per_tensor[:, 0]
-    norms = wide.pow(2).sum(0).sqrt()[replica:replica + 1]
-    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    coef = clip_coefficient(per_tensor[:, 0], max_norm, replica=replica, replicas=replicas)
     if bool((coef < 1.0).any()):
         for g in grads:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+
+
+def clip_coefficient(norms: torch.Tensor, max_norm: float, *, replica: int,
+                     replicas: int) -> torch.Tensor:
+    """The clipping factor (1,) of one replica whose per-tensor gradient norms (every tensor
+    `optim.clip_per_replica` sees, in its order) are `norms`, bit for bit the simulator's for
+    row `replica` of `replicas` (`clip_as_batched` says why the width matters)."""
+    wide = torch.zeros(norms.shape[0], replicas, dtype=norms.dtype, device=norms.device)
+    wide[:, replica] = norms
+    total = wide.pow(2).sum(0).sqrt()[replica:replica + 1]
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def _no_initial_eval(config: Config):

@@ -1,0 +1,234 @@
+"""Start a pipeline run: R x S stage processes, supervise them, then merge.
+
+`launch_pipeline(config, out_dir=...)` writes `run.json` (config, run key, store URL, the fault
+plan, every stage-replica's link address, micro-batches, lives), starts one process per
+stage-replica (`python -m crucible.distributed.pipeline.stage --run-dir DIR --replica R --stage
+S`: an operator tells them apart in `ps`), restarts a process that died while it has lives left
+(one per planned failure of its stage-replica, plus `restarts` for unplanned deaths), and when
+every process has finished merges their folders into the run folder:
+
+- `model.pt`: the global weights, stage s from its stage-replicas (which must all hold the same
+  bits: the merge checks it, and says so in the summary's `pipeline.replicas_agree`);
+- `summary.json`: the validation losses, evaluated here from the global weights each stage saved
+  at the run's evaluation steps (the simulator's `Evaluator`, so a score is the simulator's for
+  the same weights), the tokens processed, each boundary link's bytes, and per stage-replica
+  its lives and link counters (`pipeline`);
+- `rounds.jsonl`: every stage-replica's round records.
+
+If the launcher is interrupted (an exception, Ctrl-C, a test's timeout) it kills every stage
+process first: no stage trains on, orphaned.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crucible.config import Config, ConfigError
+from crucible.distributed.pipeline.stage import check_pipeline, stage_dir
+from crucible.faults import FaultPlan, plan_for
+from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
+from crucible.runfiles import read_jsonl, write_json_atomic
+
+__all__ = ["launch_pipeline", "stage_command", "free_ports", "DEFAULT_RESTARTS"]
+
+log = logging.getLogger(__name__)
+DEFAULT_RESTARTS = 3
+_POLL_S = 0.1
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports free on `host` now (bound to port 0, then released)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def stage_command(run_dir: Path, replica: int, stage: int) -> list[str]:
+    return [sys.executable, "-m", "crucible.distributed.pipeline.stage", "--run-dir",
+            str(run_dir), "--replica", str(replica), "--stage", str(stage)]
+
+
+def _start(run_dir: Path, replica: int, stage: int) -> subprocess.Popen[bytes]:
+    folder = stage_dir(run_dir, replica, stage)
+    folder.mkdir(parents=True, exist_ok=True)
+    log_file = open(folder / "stage.log", "ab")   # noqa: SIM115 - the child holds it
+    try:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(stage_command(run_dir, replica, stage), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    finally:
+        log_file.close()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("stage process %d did not die", proc.pid)
+
+
+def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
+                    plan: FaultPlan | None = None, micro_batches: int = 1,
+                    restarts: int = DEFAULT_RESTARTS, link_timeout_s: float = 120.0,
+                    host: str = "127.0.0.1") -> dict[str, Any]:
+    """Run `config` with one process per stage-replica; returns the merged summary (also in
+    `out_dir/summary.json`). Raises ConfigError for what the pipeline mode cannot run and
+    RuntimeError when a stage-replica dies with no life left."""
+    check_pipeline(config, micro_batches=micro_batches)
+    if restarts < 0:
+        raise ConfigError(f"--restarts must be >= 0, got {restarts}")
+    if link_timeout_s <= 0:
+        raise ConfigError(f"--link-timeout must be > 0 seconds, got {link_timeout_s}")
+    R, S = config.replicas, config.pipeline.stages
+    if plan is None:
+        plan = plan_for(config.faults, seed=config.seed, replicas=R, stages=S,
+                        horizon=config.train.global_steps)
+    plan.validate(replicas=R, stages=S)
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ports = free_ports(R * S, host)
+    addresses = {f"{r},{s}": f"tcp://{host}:{ports[r * S + s]}" for r in range(R)
+                 for s in range(S)}
+    planned = {(f.replica, f.stage): 0 for f in plan.failures}
+    for f in plan.failures:
+        if f.start < config.train.global_steps:
+            planned[(f.replica, f.stage)] += 1
+    lives = {f"{r},{s}": 1 + planned.get((r, s), 0) + restarts for r in range(R)
+             for s in range(S)}
+    run_key = f"run-{uuid.uuid4().hex[:12]}"
+    store_url = config.store.url or (out / "store").as_uri()
+    write_json_atomic(out / "run.json", {
+        "mode": "pipeline", "run_key": run_key, "store_url": store_url,
+        "config": config.to_dict(), "plan": plan.to_list(), "addresses": addresses,
+        "micro_batches": micro_batches, "link_timeout_s": link_timeout_s, "lives": lives})
+    started = time.time()
+    procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+    used = {key: 1 for key in [(r, s) for r in range(R) for s in range(S)]}
+    done: set[tuple[int, int]] = set()
+    try:
+        for r in range(R):
+            for s in range(S):
+                procs[(r, s)] = _start(out, r, s)
+        while len(done) < R * S:
+            time.sleep(_POLL_S)
+            for key, proc in list(procs.items()):
+                if key in done or proc.poll() is None:
+                    continue
+                if proc.returncode == 0:
+                    done.add(key)
+                    continue
+                r, s = key
+                if proc.returncode > 0:   # an error, not a kill: restarting would repeat it
+                    raise RuntimeError(
+                        f"stage {s} of replica {r} failed (exit {proc.returncode}); its log: "
+                        f"{stage_dir(out, r, s) / 'stage.log'}")
+                if used[key] >= lives[f"{r},{s}"]:
+                    raise RuntimeError(
+                        f"stage {s} of replica {r} died (exit {proc.returncode}) with no life "
+                        f"left ({used[key]} used); its log: {stage_dir(out, r, s) / 'stage.log'}")
+                log.info("stage %d of replica %d exited %d; restarting (life %d of %d)", s, r,
+                         proc.returncode, used[key] + 1, lives[f"{r},{s}"])
+                used[key] += 1
+                procs[key] = _start(out, r, s)
+    except BaseException:
+        _stop(list(procs.values()))
+        raise
+    wall_s = time.time() - started
+    return merge_pipeline(out, config, wall_s=wall_s, lives_used=used)
+
+
+def _stage_weights(out: Path, config: Config, name: str) -> tuple[list[dict[str, torch.Tensor]],
+                                                                  bool]:
+    """Stage s's weights from the stage-replicas' `name` files (lowest replica first) and
+    whether every replica that wrote one holds the same bits."""
+    R, S = config.replicas, config.pipeline.stages
+    merged: list[dict[str, torch.Tensor]] = []
+    agree = True
+    for s in range(S):
+        copies = []
+        for r in range(R):
+            path = stage_dir(out, r, s) / name
+            if path.is_file():
+                copies.append(load_global_weights(path)[s])
+        if not copies:
+            raise RuntimeError(f"no stage-replica of stage {s} wrote {name}")
+        first = copies[0]
+        for other in copies[1:]:
+            agree = agree and all(torch.equal(first[n], other[n]) for n in first)
+        merged.append(first)
+    return merged, agree
+
+
+def merge_pipeline(out: Path, config: Config, *, wall_s: float,
+                   lives_used: dict[tuple[int, int], int]) -> dict[str, Any]:
+    from crucible.evaluation import Evaluator
+
+    R, S = config.replicas, config.pipeline.stages
+    weights, agree = _stage_weights(out, config, MODEL_FILE)
+    save_global_weights(out / MODEL_FILE, weights)
+    evals = []
+    steps = sorted({int(p.stem[1:]) for r in range(R) for s in range(S)
+                    for p in (stage_dir(out, r, s) / "global").glob("g*.pt")})
+    device = torch.device("cpu")
+    evaluator = None
+    for g in steps:
+        stage_weights, same = _stage_weights(out, config, f"global/g{g:06d}.pt")
+        agree = agree and same
+        evaluator = Evaluator.of_weights(config, stage_weights, device=device)
+        loss = evaluator.evaluate()
+        evals.append({"global_step": g, "val_loss": loss,
+                      "val_loss_stderr": evaluator.last_eval_stderr})
+    stages = []
+    rounds = []
+    link: dict[str, Any] = {"sent_bytes": {}, "sent_payload": {}, "refused": 0}
+    tokens = 0
+    for r in range(R):
+        for s in range(S):
+            folder = stage_dir(out, r, s)
+            summary = json.loads((folder / "summary.json").read_text())
+            rounds += read_jsonl(folder / "rounds.jsonl")
+            links = summary["links"]
+            for key in ("sent_bytes", "sent_payload"):
+                for kind, n in links[key].items():
+                    link[key][kind] = link[key].get(kind, 0) + n
+            link["refused"] += sum(links["refused"].values())
+            tokens += int(summary["tokens"])
+            stages.append({"replica": r, "stage": s, "lives": lives_used[(r, s)],
+                           "wall_s": summary["wall_s"], "links": links})
+    rounds.sort(key=lambda x: (x["global_step"], x["replica"], x["stage"]))
+    with open(out / "rounds.jsonl", "w") as fh:
+        for row in rounds:
+            fh.write(json.dumps(row) + "\n")
+    final = evals[-1] if evals else None
+    result = {
+        "mode": "pipeline", "replicas": R, "stages": S, "wall_s": wall_s,
+        "initial_val_loss": evals[0]["val_loss"] if evals and evals[0]["global_step"] == 0
+        else None,
+        "final_val_loss": final["val_loss"] if final else None, "evals": evals,
+        "tokens_processed": tokens,
+        "pipeline": {"replicas_agree": agree, "links": link, "stages": stages},
+    }
+    write_json_atomic(out / "summary.json", result)
+    return result

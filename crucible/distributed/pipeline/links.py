@@ -1,0 +1,282 @@
+"""The links of a pipeline run: tensors between stage processes over ZeroMQ, checked on arrival.
+
+Every stage process binds one PULL socket (its inbox, `tcp://127.0.0.1:PORT` unless the run
+binds elsewhere) and connects a PUSH socket to each peer it sends to, when it first sends
+(ZeroMQ queues what is sent to a peer that is not up yet and reconnects to one that comes
+back). A message is a multipart ZeroMQ message: one JSON header frame, then one frame per tensor
+(its raw bytes):
+
+    {"kind": "act", "src": [r, s], "g": 3, "h": 0, "m": 1, "owner": r,
+     "tensors": [{"name": "message", "dtype": "float32", "shape": [1, 4, 32, 64]}, ...]}
+
+`kind` is `act` (forward: the boundary message, the token ids for a compressed arm, MAPL's
+sender basis), `grad` (backward: the gradients of what `act` carried) or `norms` (the per-tensor
+gradient norms a replica's stages exchange for global-norm clipping). Nothing a peer sends is
+trusted: `Inbox.receive` refuses (and counts, in `refused`) a message whose header does not
+parse, names an unknown kind, carries more bytes than `max_bytes`, or whose tensors differ from
+what the receiver expects (name, dtype, shape) or hold a non-finite value; a refused message is
+logged and dropped, never raised into the stage.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+__all__ = ["KINDS", "dense", "Expect", "Inbox", "LinkError", "LinkTimeout", "Outbox", "Received",
+           "ids_dtype", "MAX_HEADER_BYTES"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("act", "grad", "norms")
+MAX_HEADER_BYTES = 4096
+_DTYPES = {"float32": (torch.float32, np.float32), "bfloat16": (torch.bfloat16, None),
+           "uint8": (torch.uint8, np.uint8), "int16": (torch.int16, np.int16),
+           "int32": (torch.int32, np.int32), "int64": (torch.int64, np.int64)}
+_NAMES = {v[0]: k for k, v in _DTYPES.items()}
+
+
+class LinkError(RuntimeError):
+    """A link could not be used (a socket error)."""
+
+
+class LinkTimeout(LinkError):
+    """An awaited message did not arrive before its deadline."""
+
+
+def ids_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest integer type the link sends token ids in (what `boundary.wire_bytes`
+    counts: 1 byte up to 256 tokens, 2 up to 32768 here (torch has no uint16), else 4)."""
+    if vocab_size <= 256:
+        return torch.uint8
+    if vocab_size <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+def dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether `stride` lays `shape` out densely with no overlap (some order of the dims)."""
+    if any(x < 0 for x in stride) or len(shape) != len(stride):
+        return False
+    expected = 1
+    for size, step in sorted(((n, st) for n, st in zip(shape, stride, strict=True) if n != 1),
+                             key=lambda pair: pair[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one tensor of a message must be: its dtype and shape (and, for ids, a bound)."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    below: int | None = None      # every value in [0, below) (token ids)
+
+
+@dataclass
+class Received:
+    kind: str
+    src: tuple[int, int]
+    g: int
+    h: int
+    m: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+
+
+@dataclass
+class LinkCounters:
+    sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent_payload: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    send_s: float = 0.0
+    wait_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sent_bytes": dict(self.sent_bytes), "sent_payload": dict(self.sent_payload),
+                "received_bytes": dict(self.received_bytes),
+                "sent": dict(self.sent), "refused": dict(self.refused),
+                "send_s": self.send_s, "wait_s": self.wait_s}
+
+
+class Outbox:
+    """PUSH sockets to the peers, one per address, connected on first use."""
+
+    def __init__(self, context: zmq.Context, me: tuple[int, int],
+                 counters: LinkCounters) -> None:
+        self.context, self.me, self.counters = context, me, counters
+        self.sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, address: str, kind: str, *, g: int, h: int, m: int,
+             tensors: Mapping[str, torch.Tensor], owner: int = -1) -> int:
+        """Send one message; returns its bytes (header and tensor frames). `owner`: the
+        replica whose micro-batch it belongs to (rerouted ones cross other replicas' stages;
+        -1 for `norms`)."""
+        assert kind in KINDS
+        sock = self.sockets.get(address)
+        if sock is None:
+            sock = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(address)
+            self.sockets[address] = sock
+        frames = []
+        meta = []
+        for name, t in tensors.items():
+            t = t.detach().cpu()
+            if not dense(tuple(t.shape), tuple(t.stride())):
+                t = t.contiguous()
+            meta.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                         "stride": list(t.stride())})
+            # the bytes in memory order, and the layout with them: a kernel rounds
+            # differently on another layout of the same values (a MAPL basis is column-major)
+            flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+            frames.append(memoryview(flat.view(torch.uint8).numpy()) if t.numel() else b"")
+        header = json.dumps({"kind": kind, "src": list(self.me), "g": g, "h": h, "m": m,
+                             "owner": owner, "tensors": meta}).encode()
+        started = time.perf_counter()
+        sock.send_multipart([header, *frames], copy=True)
+        self.counters.send_s += time.perf_counter() - started
+        payload = sum(memoryview(f).nbytes for f in frames)
+        size = len(header) + payload
+        self.counters.sent_bytes[kind] += size
+        self.counters.sent_payload[kind] += payload
+        self.counters.sent[kind] += 1
+        return size
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
+
+
+class Inbox:
+    """This process's PULL socket and the messages that arrived before they were asked for."""
+
+    def __init__(self, context: zmq.Context, address: str, counters: LinkCounters, *,
+                 max_bytes: int) -> None:
+        self.counters, self.max_bytes = counters, max_bytes
+        self.socket = context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
+        self.socket.bind(address)
+        self.waiting: dict[tuple[str, tuple[int, int], int, int, int, int], list[Any]] = {}
+
+    def close(self) -> None:
+        self.socket.close()
+
+    def receive(self, kind: str, src: tuple[int, int], *, g: int, h: int, m: int,
+                expect: Mapping[str, Expect], timeout_s: float, owner: int = -1) -> Received:
+        """The message `kind` from `src` for (g, h, m) of replica `owner`'s micro-batch,
+        checked against `expect`; raises LinkTimeout when it has not arrived (valid) within
+        `timeout_s`."""
+        key = (kind, tuple(src), g, h, m, owner)
+        deadline = time.monotonic() + timeout_s
+        started = time.perf_counter()
+        try:
+            while True:
+                frames = self.waiting.pop(key, None)
+                if frames is not None:
+                    checked = self._check(frames, expect)
+                    if checked is not None:
+                        return checked
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkTimeout(f"no valid {kind} message from stage-replica {src} for "
+                                      f"global step {g}, inner step {h}, micro-batch {m} "
+                                      f"within {timeout_s:.1f} s")
+                if not self.socket.poll(int(min(left, 0.5) * 1000) + 1):
+                    continue
+                frames = self.socket.recv_multipart(copy=True)
+                header = self._header(frames)
+                if header is None:
+                    continue
+                got = (header["kind"], (int(header["src"][0]), int(header["src"][1])),
+                       int(header["g"]), int(header["h"]), int(header["m"]),
+                       int(header["owner"]))
+                if got in self.waiting:
+                    self._refuse(header["kind"], f"a second message for {got}")
+                    continue
+                self.waiting[got] = [header, frames[1:]]
+        finally:
+            self.counters.wait_s += time.perf_counter() - started
+
+    def _refuse(self, kind: str, why: str) -> None:
+        self.counters.refused[kind if kind in KINDS else "unknown"] += 1
+        log.warning("refused a link message (%s): %s", kind, why)
+
+    def _header(self, frames: list[bytes]) -> dict[str, Any] | None:
+        if not frames or len(frames[0]) > MAX_HEADER_BYTES:
+            self._refuse("unknown", "no header, or a header over the size limit")
+            return None
+        try:
+            header = json.loads(frames[0])
+            if (not isinstance(header, dict) or header.get("kind") not in KINDS
+                    or not isinstance(header.get("tensors"), list)
+                    or len(header["tensors"]) != len(frames) - 1
+                    or not all(isinstance(header.get(k), int) for k in ("g", "h", "m", "owner"))
+                    or not isinstance(header.get("src"), list) or len(header["src"]) != 2
+                    or not all(isinstance(x, int) for x in header["src"])):
+                raise ValueError("fields missing or of the wrong type")
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._refuse("unknown", f"bad header: {exc}")
+            return None
+        return header
+
+    def _check(self, stored: list[Any], expect: Mapping[str, Expect]) -> Received | None:
+        header, frames = stored
+        kind = header["kind"]
+        total = sum(len(f) for f in frames)
+        if total > self.max_bytes:
+            self._refuse(kind, f"{total} bytes, over the link's limit of {self.max_bytes}")
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        if [t.get("name") for t in header["tensors"]] != list(expect):
+            self._refuse(kind, f"tensors {[t.get('name') for t in header['tensors']]}, "
+                               f"expected {list(expect)}")
+            return None
+        for meta, frame in zip(header["tensors"], frames, strict=True):
+            want = expect[meta["name"]]
+            if meta.get("dtype") != _NAMES[want.dtype] or tuple(meta.get("shape", ())) != want.shape:
+                self._refuse(kind, f"{meta['name']}: {meta.get('dtype')} {meta.get('shape')}, "
+                                   f"expected {_NAMES[want.dtype]} {list(want.shape)}")
+                return None
+            size = int(np.prod(want.shape)) * torch.empty(0, dtype=want.dtype).element_size()
+            if len(frame) != size:
+                self._refuse(kind, f"{meta['name']}: {len(frame)} bytes for {size}")
+                return None
+            # into a tensor of torch's own (aligned) allocation: the CPU kernels round
+            # differently on a buffer at another alignment, and the arithmetic must be the
+            # simulator's
+            stride = tuple(meta.get("stride") or ())
+            if len(stride) != len(want.shape) or not dense(want.shape, stride):
+                self._refuse(kind, f"{meta['name']}: stride {list(stride)} is not a dense "
+                                   f"layout of shape {list(want.shape)}")
+                return None
+            t = torch.empty_strided(want.shape, stride, dtype=want.dtype)
+            if size:
+                flat = torch.as_strided(t, (t.numel(),), (1,))
+                flat.view(torch.uint8).numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                self._refuse(kind, f"{meta['name']}: non-finite values")
+                return None
+            if want.below is not None and t.numel() and (int(t.min()) < 0
+                                                         or int(t.max()) >= want.below):
+                self._refuse(kind, f"{meta['name']}: values outside [0, {want.below})")
+                return None
+            tensors[meta["name"]] = t
+        self.counters.received_bytes[kind] += total + len(json.dumps(header))
+        return Received(kind, (header["src"][0], header["src"][1]), header["g"], header["h"],
+                        header["m"], tensors, total)

@@ -1,0 +1,581 @@
+"""One stage-replica of a pipeline run: stage s of replica r in its own OS process.
+
+    python -m crucible.distributed.pipeline.stage --run-dir DIR --replica R --stage S
+
+The process holds only its stage: that stage's weights (one replica row, the simulator's
+`ReplicatedPipeline` row), its AdamW moments, its error-feedback buffers and, for MAPL, its
+boundary basis and Stiefel momentum. Each inner step it runs the replica's micro-batches through
+its stage, fill-drain: every micro-batch forward (stage 0 reads the replica's data stream; the
+others receive the previous stage's boundary message over a link, `links`), then every
+micro-batch backward (the last stage computes the loss; the others receive the gradient of what
+they sent). What crosses a boundary is what the simulator's forward passes between stages: the
+arm's encoded message (SSN and MAPL: k of d values per token) in the dtype it is computed in,
+with the token ids for a compressed arm (its receiver needs them) and, for MAPL, the sender's
+basis (the receiver decodes with it, and returns its gradient with the message's). A replica's
+stages exchange their per-tensor gradient norms, so clipping is by the replica's whole-model norm
+as in the simulator. Then the stage's AdamW (and Stiefel) step; after H inner steps the outer
+round of its stage (`ReplicaSync` holding one stage), through the object store.
+
+Planned failures (the run's fault plan, `skip` or `drop`): a stage-replica whose failure starts
+at global step g records a `kill` in its journal and SIGKILLs itself at the start of g; the
+launcher starts it again, and the new life waits until the round before its rejoin step is
+agreed, restores its stage's global weights (`ReplicaSync.catch_up`), and trains from the rejoin
+step with fresh AdamW moments, error feedback and Stiefel momentum: what the simulator's rejoin
+resets. Meanwhile its replica applies the strategy from the same plan: `skip` sends the previous
+stage's message to the next live stage (MAPL decodes it with the sender's basis, the `sender`
+bypass decode), `drop` idles the whole replica for the round. Only inner stages fail.
+
+With one micro-batch per inner step (`--micro-batches 1`, the default) the arithmetic is the
+simulator's, operation for operation, on one replica row: the run ends on the simulator's bits
+where the two run on one arithmetic. More micro-batches sum per-micro-batch gradients (fp32
+round-off from the whole-batch gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+
+from crucible import boundary
+from crucible.config import Config, ConfigError
+from crucible.data import TokenData, load_tokens
+from crucible.distributed.journal import Journal
+from crucible.distributed.pipeline.links import (
+    Expect,
+    Inbox,
+    LinkCounters,
+    Outbox,
+    ids_dtype,
+)
+from crucible.distributed.sync import ReplicaSync
+from crucible.distributed.worker import clip_coefficient
+from crucible.errors import TrainingDiverged
+from crucible.faults import FaultPlan
+from crucible.model import (
+    block_forward,
+    embed_forward,
+    head_losses,
+    layers_of,
+    reparametrised,
+    rope_tables,
+    stage_layout,
+)
+from crucible.model_file import save_global_weights
+from crucible.optim import ReplicaAdamW, lr_at
+from crucible.pipeline import initial_tensor
+from crucible.runfiles import append_jsonl, write_json_atomic
+from crucible.store import open_store
+from crucible.strategy import StepPlan, plan_step
+
+__all__ = ["StageModel", "StageWorker", "check_pipeline", "stage_dir", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def stage_dir(run_dir: Path, replica: int, stage: int) -> Path:
+    return run_dir / "stages" / f"r{replica}-s{stage}"
+
+
+def check_pipeline(config: Config, *, micro_batches: int = 1) -> None:
+    """Refuse what the pipeline mode cannot run, naming the key and the fix."""
+    pipe = config.pipeline
+    if micro_batches < 1 or config.train.batch_size % micro_batches:
+        raise ConfigError(f"--micro-batches={micro_batches} must be >= 1 and divide "
+                          f"train.batch_size={config.train.batch_size}; pick a divisor")
+    if pipe.stages < 2:
+        raise ConfigError(f"pipeline.stages={pipe.stages}: the pipeline mode needs at least 2 "
+                          "stages (a process per stage); use pipeline.stages >= 2")
+    if config.faults.p > 0 and config.faults.strategy == "skip" and pipe.stages < 3:
+        raise ConfigError("faults.strategy=skip needs an inner stage to skip: "
+                          f"pipeline.stages={pipe.stages}; use pipeline.stages >= 3")
+    if config.faults.p > 0 and config.faults.strategy == "drop_extend":
+        raise ConfigError("faults.strategy=drop_extend extends the run by a token count summed "
+                          "over every replica, which no stage process knows; use skip, drop or "
+                          "reroute (or the simulator, `crucible run`)")
+    if (config.faults.p > 0 and config.faults.strategy in ("skip", "reroute")
+            and pipe.compression == "mapl" and pipe.bypass_decode != "sender"):
+        raise ConfigError(f"pipeline.bypass_decode={pipe.bypass_decode} needs the skipped "
+                          "stage's basis, which lives in the dead process; the pipeline mode "
+                          "decodes a bypassed MAPL message with its sender's basis: use "
+                          "pipeline.bypass_decode=sender")
+    if config.sparseloco.method != "sparseloco":
+        raise ConfigError(f"sparseloco.method={config.sparseloco.method} is not supported in the "
+                          "pipeline mode; use sparseloco.method=sparseloco or the simulator")
+    if config.train.device == "cuda":
+        raise ConfigError("train.device=cuda: the pipeline mode runs its stages on the CPU; "
+                          "use train.device=auto or cpu")
+    for key, value in (("store.keep_rounds", config.store.keep_rounds),
+                       ("train.checkpoint_every", config.train.checkpoint_every),
+                       ("train.tail_average", config.train.tail_average)):
+        if value:
+            raise ConfigError(f"{key} must be 0 in the pipeline mode (a restarted stage "
+                              "restores the global weights from the store); use the simulator "
+                              "for it")
+
+
+class StageModel(nn.Module):
+    """Stage `stage` of one replica: its tensors with a replica axis of 1, the simulator's row.
+
+    It offers what `crucible.sync.OuterSync` asks of a model (`R`, `stage_params`,
+    `replica_weights`, `set_stage`) for its own stage; every other stage is empty."""
+
+    def __init__(self, config: Config, stage: int) -> None:
+        super().__init__()
+        self.config, self.stage, self.R = config, stage, 1
+        self.layout = stage_layout(config, stage)
+        self.params = nn.ParameterDict({
+            spec.name: nn.Parameter(initial_tensor(config, spec, stage=stage)[None].clone())
+            for spec in self.layout})
+
+    def stage_params(self, stage: int) -> dict[str, nn.Parameter]:
+        return dict(self.params.items()) if stage == self.stage else {}
+
+    def replica_weights(self, *, replica: int, stage: int) -> dict[str, torch.Tensor]:
+        return {n: p.detach()[replica].clone() for n, p in self.stage_params(stage).items()}
+
+    @torch.no_grad()
+    def set_stage(self, stage: int, weights: dict[str, torch.Tensor],
+                  replicas: torch.Tensor | None = None) -> None:
+        for name, param in self.stage_params(stage).items():
+            param.copy_(weights[name].expand_as(param))
+
+
+class StageWorker:
+    """Stage `stage` of replica `replica` of the run in `run_dir` (its `run.json`)."""
+
+    def __init__(self, run_dir: Path, replica: int, stage: int) -> None:
+        ident = json.loads((run_dir / "run.json").read_text())
+        self.ident = ident
+        self.config = config = Config.from_dict(ident["config"])
+        check_pipeline(config, micro_batches=int(ident.get("micro_batches", 1)))
+        self.r, self.s = replica, stage
+        self.S, self.R, self.H = config.pipeline.stages, config.replicas, config.sparseloco.inner_steps
+        self.M = int(ident.get("micro_batches", 1))
+        self.kind = config.pipeline.compression
+        self.out = stage_dir(run_dir, replica, stage)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.out, replica)
+        self.plan = FaultPlan.from_list(ident["plan"])
+        self.addresses: dict[str, str] = ident["addresses"]
+        self.timeout_s = float(ident.get("link_timeout_s", 120.0))
+        self.store = open_store(ident["store_url"], endpoint_url=config.store.endpoint_url,
+                                region=config.store.region)
+        self.run_key = ident["run_key"]
+        self.model = StageModel(config, stage)
+        self.params = self.model.stage_params(stage)
+        self.optimizer = ReplicaAdamW([self.params], [self.model.layout], train=config.train,
+                                      replicas=1)
+        self.adamw_counts = [sum(1 for spec in stage_layout(config, t) if spec.inner == "adamw")
+                             for t in range(self.S)]
+        self.momentum = torch.zeros_like(self.params["basis"]) if "basis" in self.params else None
+        self.sync = ReplicaSync(config, self.model, store=self.store, run_key=self.run_key,
+                                replica=replica, stages=[stage])
+        self.fixed = boundary.fixed_tensors(config)
+        hd = config.model.d_model // config.model.heads
+        self.rope = rope_tables(config.model.seq_len, hd, config.model.rope_base)
+        self.data = None
+        if stage in (0, self.S - 1):   # the ends read the replica's stream: ids, and targets
+            tokens = load_tokens(config.data.path, vocab_size=config.model.vocab_size)
+            self.data = TokenData(tokens, model=config.model, data=config.data,
+                                  replicas=config.replicas, seed=config.seed)
+        self.counters = LinkCounters()
+        self.context = zmq.Context()
+        self.inbox = Inbox(self.context, self.addresses[f"{replica},{stage}"], self.counters,
+                           max_bytes=self._max_message_bytes())
+        self.outbox = Outbox(self.context, (replica, stage), self.counters)
+        self.tokens = 0
+        self.next_step = 0
+
+    # -- shapes the links expect -------------------------------------------------------------
+    def _width(self) -> int:
+        return boundary.message_width(self.config)
+
+    def _micro(self) -> int:
+        return self.config.train.batch_size // self.M
+
+    def _act_expect(self) -> dict[str, Expect]:
+        m, T = self.config.model, self.config.model.seq_len
+        shape = (1, self._micro(), T)
+        out = {"message": Expect(torch.float32, (*shape, self._width()))}
+        if self.kind != "none":
+            out["ids"] = Expect(ids_dtype(m.vocab_size), shape, below=m.vocab_size)
+        if self.kind == "mapl":
+            out["basis"] = Expect(torch.float32, (1, m.d_model, self._width()))
+        return out
+
+    def _grad_expect(self) -> dict[str, Expect]:
+        act = self._act_expect()
+        out = {"message": act["message"]}
+        if self.kind == "mapl":
+            out["basis"] = act["basis"]
+        return out
+
+    def _max_message_bytes(self) -> int:
+        def size(e: Expect) -> int:
+            n = 1
+            for d in e.shape:
+                n *= d
+            return n * torch.empty(0, dtype=e.dtype).element_size()
+        most = sum(size(e) for e in self._act_expect().values())
+        return max(most, 8 * (sum(self.adamw_counts) + 1))
+
+    # -- who does what this round -----------------------------------------------------------
+    def _own_live(self, step: StepPlan) -> list[int]:
+        """This replica's stages whose processes are up this round (they exchange norms)."""
+        return [t for t in range(self.S) if not bool(step.down[self.r, t])]
+
+    @staticmethod
+    def _server(step: StepPlan, replica: int, stage: int) -> int:
+        """The replica whose stage `stage` runs `replica`'s micro-batches (reroute: a donor)."""
+        route = step.route.get(stage)
+        return replica if route is None else int(route[replica])
+
+    def _chain(self, step: StepPlan, owner: int) -> list[tuple[int, int]]:
+        """The processes `owner`'s micro-batches pass through this round, in order: every
+        stage not bypassed, each at its server."""
+        return [(self._server(step, owner, t), t) for t in range(self.S)
+                if not bool(step.bypass[owner, t])]
+
+    def _neighbours(self, step: StepPlan, owner: int) -> tuple[tuple[int, int] | None,
+                                                               tuple[int, int] | None]:
+        chain = self._chain(step, owner)
+        at = chain.index((self.r, self.s))
+        return (chain[at - 1] if at > 0 else None,
+                chain[at + 1] if at + 1 < len(chain) else None)
+
+    def _owners(self, step: StepPlan) -> list[int]:
+        """Whose micro-batches this process runs this round: its own replica's (when that
+        processes tokens), then every replica it is the donor for, ascending."""
+        owners = [] if bool(step.loss_weight[self.r] == 0) else [self.r]
+        route = step.route.get(self.s)
+        if route is not None:
+            owners += [q for q in range(self.R) if q != self.r and int(route[q]) == self.r]
+        # ascending: a donor's gradient sums its batches in replica order, as the simulator's
+        # gather does
+        return sorted(owners)
+
+    def _address(self, replica: int, stage: int) -> str:
+        return self.addresses[f"{replica},{stage}"]
+
+    # -- a life ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """First life: from step 0. A later life (after a planned kill): wait until the round
+        before the stage's rejoin step is agreed, restore the stage's global weights."""
+        life = self.journal.life
+        if life == 0:
+            self.journal.record("start", 0, stage=self.s)
+            return
+        killed = [r for r in self.journal.records() if r.get("kind") == "kill"]
+        dead = int(killed[-1]["global_step"]) if killed else 0
+        rejoin = dead
+        while rejoin < self.config.train.global_steps and bool(
+                self.plan.down_matrix(rejoin, replicas=self.R, stages=self.S)[self.r, self.s]):
+            rejoin += 1
+        self.journal.record("restart", dead, stage=self.s, rejoin=rejoin)
+        # the last round before the rejoin in which some replica trains this stage: its
+        # agreement (and snapshot) holds the global weights; rounds after it change nothing
+        through = next((g for g in range(rejoin - 1, -1, -1) if bool(
+            plan_step(self.plan, g, config=self.config).contributes[:, self.s].any())), -1)
+        self.next_step = self.sync.catch_up(through=through, timeout_s=self.timeout_s + 60.0)
+        if self.next_step != rejoin:
+            log.warning("r%d s%d: caught up to step %d, planned rejoin %d", self.r, self.s,
+                        self.next_step, rejoin)
+        self.next_step = rejoin
+        for g in range(through + 1, rejoin + 1):   # rounds that changed nothing of the stage:
+            if self._evaluates(g):                  # its weights then are these (and perhaps
+                self._save_global(g)                # no live peer of the stage saved them)
+        if self.data is not None:
+            for _ in range(rejoin * self.H):
+                self.data.batch(replica=self.r, batch_size=self.config.train.batch_size)
+        self.journal.record("rejoin", rejoin, stage=self.s)
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        steps = self.config.train.global_steps
+        if self.next_step == 0 and self._evaluates(0):
+            self._save_global(0)
+        for g in range(self.next_step, steps):
+            step = plan_step(self.plan, g, config=self.config)
+            if self._killed_at(g):
+                self.journal.record("kill", g, stage=self.s, planned=True, rejoin=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            inner_started = time.perf_counter()
+            losses = self._inner_steps(g, step)
+            inner_s = time.perf_counter() - inner_started
+            results = self.sync.synchronise(g, step.contributes)
+            self.next_step = g + 1
+            append_jsonl(self.out / "rounds.jsonl", {
+                "global_step": g, "replica": self.r, "stage": self.s,
+                "trained": bool(step.active[self.r, self.s]),
+                "dropped": bool(step.loss_weight[self.r] == 0),
+                "bypassed": [t for t in range(self.S) if bool(step.bypass[self.r, t])],
+                "train_loss": losses, "inner_s": inner_s,
+                "upload_bytes": sum(x.upload_bytes for x in results),
+                "wait_s": self.sync.waits_s[-1] if self.sync.waits_s else 0.0,
+                "wall": time.time()})
+            if self._evaluates(g + 1):
+                self._save_global(g + 1)
+        wall = time.perf_counter() - started
+        summary = {"replica": self.r, "stage": self.s, "life": self.journal.life,
+                   "wall_s": wall, "links": self.counters.to_dict(),
+                   "tokens": self.tokens, "codec_s": self.sync.codec_s,
+                   "round_waits_s": self.sync.waits_s}
+        save_global_weights(self.out / "model.pt", self.sync.global_weights)
+        write_json_atomic(self.out / "summary.json", summary)
+        return summary
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.outbox.close()
+        self.context.term()
+
+    def _killed_at(self, g: int) -> bool:
+        return any(f.replica == self.r and f.stage == self.s and f.start == g
+                   for f in self.plan.starting(g))
+
+    def _evaluates(self, g: int) -> bool:
+        train = self.config.train
+        if g == 0:
+            return train.eval_initial
+        return g % train.eval_every == 0 or g == train.global_steps
+
+    def _save_global(self, g: int) -> None:
+        """The stage's global weights after `g` rounds, for the launcher's evaluation."""
+        save_global_weights(self.out / "global" / f"g{g:06d}.pt", self.sync.global_weights)
+
+    # -- inner steps ----------------------------------------------------------------------------
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.data is not None
+        ids, targets = self.data.batch(replica=self.r, batch_size=self.config.train.batch_size)
+        return ids[None], targets[None]
+
+    def _inner_steps(self, g: int, step: StepPlan) -> float | None:
+        dropped = bool(step.loss_weight[self.r] == 0)
+        total, counted = 0.0, 0
+        for h in range(self.H):
+            batch = self._batch() if self.data is not None else None   # the stream moves on
+            if dropped:
+                continue
+            lr = lr_at(float(g * self.H + h), train=self.config.train,
+                       total_steps=self.config.train.global_steps * self.H)
+            loss = self._micro_batches(g, h, step, batch)
+            self._clip(g, h, step)
+            self._update(lr)
+
+            if loss is not None:
+                total += loss
+                counted += 1
+        self.tokens += 0 if dropped else self.H * self.config.train.batch_size * \
+            self.config.model.seq_len * (self.s == 0)
+        return total / counted if counted else None
+
+    def _micro_batches(self, g: int, h: int, step: StepPlan,
+                       batch: tuple[torch.Tensor, torch.Tensor] | None) -> float | None:
+        """Fill-drain: every micro-batch this process runs (its replica's, then those it is the
+        donor for) forward, then every one backward. Returns the mean training loss of its own
+        micro-batches on the last stage (None elsewhere)."""
+        b = self._micro()
+        first, last = self.s == 0, self.s == self.S - 1
+        kept: list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
+        losses = []
+        for owner in self._owners(step):
+            prev, nxt = self._neighbours(step, owner)
+            weight = step.loss_weight[owner:owner + 1].float()
+            for m in range(self.M):
+                params = self._params_used(step)
+                leaves: dict[str, torch.Tensor] = {}
+                if "basis" in params:
+                    leaves["sent_basis"] = params["basis"]
+                if first:
+                    assert batch is not None and owner == self.r
+                    ids = batch[0][:, m * b:(m + 1) * b]
+                    x = embed_forward(params, ids,
+                                      subspace=self.fixed.subspace if self.kind == "ssn" else None,
+                                      token_table=self.fixed.token_table)
+                else:
+                    assert prev is not None
+                    got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner,
+                                             expect=self._act_expect(), timeout_s=self.timeout_s)
+                    message = got.tensors["message"].requires_grad_(True)
+                    leaves["message"] = message
+                    ids = (got.tensors["ids"].long() if "ids" in got.tensors
+                           else batch[0][:, m * b:(m + 1) * b] if batch is not None else None)
+                    basis = None
+                    if self.kind == "mapl":
+                        basis = got.tensors["basis"].requires_grad_(True)
+                        leaves["basis"] = basis
+                    x = boundary.decode(self.kind, message, ids, receiver=params, stage=self.s,
+                                        basis=basis, fixed=self.fixed)
+                subspace = self.fixed.subspace if reparametrised(self.config, self.s) else None
+                for layer in layers_of(self.config, self.s):
+                    x = block_forward(params, layer, x, config=self.config, rope=self.rope,
+                                      subspace=subspace)
+                if last:
+                    assert batch is not None and owner == self.r
+                    targets = batch[1][:, m * b:(m + 1) * b]
+                    mean = head_losses(params, x, targets)
+                    if not bool(torch.isfinite(mean).all()):
+                        raise TrainingDiverged(f"non-finite training loss at global step {g}, "
+                                               f"inner step {h}: {mean.tolist()}")
+                    losses.append(float(mean.detach()))
+                    loss = (mean * weight).sum()
+                    kept.append((owner, m, loss / self.M if self.M > 1 else loss, leaves))
+                    continue
+                assert nxt is not None
+                sent = boundary.encode(self.kind, x, ids, sender=params, stage=self.s,
+                                       fixed=self.fixed)
+                out = {"message": sent}
+                if self.kind != "none":
+                    out["ids"] = ids.to(ids_dtype(self.config.model.vocab_size))
+                if self.kind == "mapl":
+                    out["basis"] = params["basis"]
+                self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner,
+                                 tensors=out)
+                kept.append((owner, m, sent, leaves))
+        for owner, m, output, leaves in kept:
+            prev, nxt = self._neighbours(step, owner)
+            if last:
+                output.backward()
+            else:
+                assert nxt is not None
+                got = self.inbox.receive("grad", nxt, g=g, h=h, m=m, owner=owner,
+                                         expect=self._grad_expect(), timeout_s=self.timeout_s)
+                if self.kind == "mapl":
+                    # the receiver's decode gradient of the basis it was sent joins the
+                    # encode's in one backward, summed where the simulator sums them
+                    torch.autograd.backward([output, leaves["sent_basis"]],
+                                            [got.tensors["message"], got.tensors["basis"]])
+                else:
+                    output.backward(got.tensors["message"])
+            if not first:
+                assert prev is not None
+                grads = {"message": leaves["message"].grad}
+                if self.kind == "mapl":
+                    grads["basis"] = leaves["basis"].grad
+                self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=m, owner=owner,
+                                 tensors=grads)
+        self._average_donor_gradients(step)
+        return sum(losses) / len(losses) if losses else None
+
+    def _params_used(self, step: StepPlan) -> dict[str, torch.Tensor]:
+        """The stage's tensors as the forward uses them: a round that reroutes through this
+        stage gathers every replica's tensors of it by the route (the simulator's
+        `_gathered`), which copies them (a MAPL basis then leaves its column-major layout, and
+        its products round otherwise): the same gather here, of the one row."""
+        if self.s not in step.route:
+            return self.params
+        row = torch.zeros(1, dtype=torch.long)
+        return {n: p[row] for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def _average_donor_gradients(self, step: StepPlan) -> None:
+        """A donor's stage holds the gradients of its own micro-batch and of each replica it
+        served: divided by the number of batches, as the simulator's trainer does."""
+        if step.extra_load is None or not int(step.extra_load[self.r, self.s]):
+            return
+        load = step.extra_load[self.r:self.r + 1, self.s]
+        scale = (1.0 / (1.0 + load.double())).float()
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
+
+    @torch.no_grad()
+    def _clip(self, g: int, h: int, step: StepPlan) -> None:
+        """Global-norm clipping over the replica's whole model: the live stages exchange their
+        per-tensor norms; a skipped stage's tensors count as zeros (its gradients are zero in
+        the simulator), in the simulator's tensor order."""
+        params = self.optimizer.parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        mine = torch.stack([torch.linalg.vector_norm(g_.flatten(1), dim=1)[0] for g_ in grads])
+        live = self._own_live(step)
+        for t in live:
+            if t != self.s:
+                self.outbox.send(self._address(self.r, t), "norms", g=g, h=h, m=0,
+                                 tensors={"norms": mine})
+        parts = []
+        for t in range(self.S):
+            if t == self.s:
+                parts.append(mine)
+            elif t in live:
+                got = self.inbox.receive("norms", (self.r, t), g=g, h=h, m=0, owner=-1,
+                                         expect={"norms": Expect(torch.float32,
+                                                                 (self.adamw_counts[t],))},
+                                         timeout_s=self.timeout_s)
+                parts.append(got.tensors["norms"])
+            else:
+                parts.append(torch.zeros(self.adamw_counts[t]))
+        coef = clip_coefficient(torch.cat(parts), self.config.train.grad_clip,
+                                replica=self.r, replicas=self.R)
+        if bool((coef < 1.0).any()):
+            for g_ in grads:
+                g_.mul_(coef.view(-1, *([1] * (g_.dim() - 1))))
+
+    def _update(self, lr: float) -> None:
+        active = torch.ones(1, 1, dtype=torch.bool)
+        self.optimizer.step(lr=lr, active=active)
+        basis = self.params.get("basis")
+        if basis is not None and basis.grad is not None:
+            self._stiefel_as_batched(basis, lr)
+        self.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _stiefel_as_batched(self, basis: torch.Tensor, lr: float) -> None:
+        """This boundary's SPEL step, bit for bit the simulator's: the simulator steps every
+        boundary of every replica as one ((S-1) x R, d, k) batch (`boundary.stiefel_steps`),
+        and the CPU kernels round a lone matrix (with the gradient's column-major layout)
+        otherwise than the same matrix inside that contiguous batch. So the row is placed at
+        its place in a zero batch of the simulator's shape and only it is stepped (a zero row
+        stays zero): (S-1) x R small matrices instead of one, the price of the oracle."""
+        pipe = self.config.pipeline
+        assert self.momentum is not None
+        n = (self.S - 1) * self.R
+        at = self.s * self.R + self.r
+        wide = [torch.zeros(n, *basis.shape[1:], dtype=basis.dtype) for _ in range(3)]
+        wide[0][at] = basis.data[0]
+        wide[1][at] = basis.grad[0]
+        wide[2][at] = self.momentum[0]
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[at] = True
+        boundary.stiefel_step(wide[0], wide[1], wide[2], lr=lr * pipe.mapl_lr_scale,
+                              beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps, mask=mask)
+        basis.data[0] = wide[0][at]
+        self.momentum[0] = wide[2][at]
+
+
+def run_stage(run_dir: Path, replica: int, stage: int) -> dict[str, Any]:
+    torch.set_num_threads(int(os.environ.get("CRUCIBLE_TORCH_THREADS", "1")))
+    worker = StageWorker(run_dir, replica, stage)
+    try:
+        if (worker.out / "summary.json").exists():
+            return json.loads((worker.out / "summary.json").read_text())
+        worker.start()
+        return worker.run()
+    finally:
+        worker.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="crucible.distributed.pipeline.stage")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--replica", required=True, type=int)
+    parser.add_argument("--stage", required=True, type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s r{args.replica}-s{args.stage} %(levelname)s "
+                               "%(name)s: %(message)s")
+    run_stage(args.run_dir, args.replica, args.stage)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
