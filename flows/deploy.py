@@ -18,6 +18,7 @@ Two ways to put them on a Prefect server (`PREFECT_API_URL`):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,34 @@ def serve_deployments(limit: int | None = None) -> None:
     _poll_patiently()
     deployments = build_deployments()
     _log.info("serving %s", ", ".join(f"{d.flow_name}/{d.name}" for d in deployments))
-    serve(*deployments, limit=limit)
+    attempt = 0
+    while True:
+        try:
+            serve(*deployments, limit=limit)
+            return
+        except Exception as exc:   # applying the deployments met an outage: apply them again
+            if not _transient(exc):
+                raise
+            attempt += 1
+            delay = min(APPLY_BACKOFF_MAX_S, 2.0 ** attempt)
+            _log.warning("applying the deployments failed (%s: %s); attempt %d, trying again "
+                         "in %.0f s", type(exc).__name__, exc, attempt, delay)
+            time.sleep(delay)
+
+
+# the longest wait between two tries at applying the deployments during an outage
+APPLY_BACKOFF_MAX_S = 30.0
+
+
+def _transient(exc: BaseException) -> bool:
+    """An error an outage of the Prefect server or its database explains: no connection, a
+    timeout, or a 5xx answer (a 503 while its database restarts)."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and _transient(cause)
 
 
 def deploy_to_pool(pool: str, *, image: str | None = None, source: str | None = None,

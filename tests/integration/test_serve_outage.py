@@ -126,3 +126,64 @@ def test_serve_keeps_polling_through_an_outage_and_serves_again(prefect_harness:
                 proc.wait()
         if relay._server is not None:
             relay.cut()
+
+
+@pytest.mark.timeout(300)
+def test_serve_applies_its_deployments_through_an_outage_at_start(prefect_harness: None,
+                                                                  tmp_path: Path) -> None:
+    """The Prefect server is unreachable while serve applies its deployments (a database
+    restart answers 503, a dead server refuses): serve tries again with a bounded back-off, a
+    log line per try, and serves once the server is back."""
+    from prefect.settings import PREFECT_API_URL
+
+    harness = urlsplit(str(PREFECT_API_URL.value()))
+    relay = _Relay((harness.hostname or "127.0.0.1", harness.port or 80))
+    relay.cut()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "PREFECT_API_URL": f"http://127.0.0.1:{relay.port}{harness.path}",
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_CLIENT_MAX_RETRIES": "0",
+           "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "deploy"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        _wait_for_line(log, "applying the deployments failed", proc)
+        _wait_for_line(log, "attempt 2", proc)
+        relay.restore()
+        _wait_for_line(log, "Your deployments are being served", proc)
+        assert proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if relay._server is not None:
+            relay.cut()
+
+
+def test_what_counts_as_an_outage_when_applying_the_deployments() -> None:
+    import httpx
+
+    from flows.deploy import _transient
+
+    request = httpx.Request("POST", "http://prefect/api/deployments/")
+
+    def status(code: int) -> httpx.HTTPStatusError:
+        return httpx.HTTPStatusError("x", request=request,
+                                     response=httpx.Response(code, request=request))
+
+    assert _transient(httpx.ConnectError("refused", request=request))
+    assert _transient(status(503)) and _transient(status(500))
+    assert not _transient(status(422)) and not _transient(ValueError("bad parameters"))
+    try:
+        try:
+            raise status(503)
+        except httpx.HTTPStatusError as inner:
+            raise RuntimeError("apply failed") from inner
+    except RuntimeError as wrapped:
+        assert _transient(wrapped)
