@@ -7,7 +7,8 @@ or with `--pipeline` one process per stage of every replica (`crucible.distribut
         [--micro-batches M] [--link-timeout S] [--restarts N]
 
 In the pipeline mode the fault plan's stage failures are real: the stage process is killed at
-the start of its planned global step and restarted to rejoin when the plan says.
+the start of its planned global step and restarted to rejoin when the plan says; a stage
+process killed from outside is noticed, bypassed live and restarted (docs/OPERATIONS.md).
 
 Exit 0 with DIR/summary.json written (also when a replica never came back: a warning names it,
 and the summary's `distributed.lost` says why); 2 for bad input (message names the option and

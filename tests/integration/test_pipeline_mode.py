@@ -34,8 +34,8 @@ PLAN = (FaultPlan().down(replica=0, stage=1, start=1, steps=2)
         .down(replica=1, stage=1, start=2, steps=1).down(replica=1, stage=2, start=3, steps=2))
 
 
-def _config(arm: str, strategy: str | None, steps: int = 6):
-    faults = ["faults.p=0.1", f"faults.strategy={strategy}"] if strategy else []
+def _config(arm: str, strategy: str | None, steps: int = 6, p: float = 0.1):
+    faults = [f"faults.p={p}", f"faults.strategy={strategy}"] if strategy else []
     return apply_overrides(get_preset("smoke"), [
         "replicas=2", f"pipeline.compression={arm}", f"train.global_steps={steps}",
         "train.eval_every=3", "train.eval_tokens=8192", "train.device=cpu",
@@ -104,3 +104,111 @@ def test_the_boundary_bytes_shrink_by_the_compression_factor(tmp_path: Path) -> 
 def test_every_arm_and_strategy_ends_on_the_simulators_bits(arm, strategy,
                                                             tmp_path: Path) -> None:
     _agree(arm, strategy, tmp_path)
+
+
+# -- real faults: kill -9 of a stage process at a moment the plan does not know -----------------
+
+def _kill_during(config, tmp_path: Path, *, replica: int, stage: int, after_rounds: int,
+                 offset_s: float, restarts: int = 3, hostile: bool = False) -> dict:
+    """Run `config` in the pipeline mode and SIGKILL stage `stage` of replica `replica` from
+    outside, `offset_s` after it recorded `after_rounds` rounds (mid-round); with `hostile`,
+    also throw malformed messages at another stage's link."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import zmq
+
+    out = tmp_path / "pipe"
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["summary"] = launch_pipeline(config, out_dir=out, restarts=restarts,
+                                                link_timeout_s=60)
+        except BaseException as exc:   # noqa: BLE001 - the test reports it
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    rounds = out / "stages" / f"r{replica}-s{stage}" / "rounds.jsonl"
+    deadline = time.monotonic() + 240
+    while (not rounds.exists() or len(rounds.read_text().splitlines()) < after_rounds) \
+            and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)
+    time.sleep(offset_s)
+    pid = int((rounds.parent / "pid").read_text())
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    if hostile:
+        address = json.loads((out / "run.json").read_text())["addresses"]["1,2"]
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        sock.send_multipart([b"{not json"])
+        sock.send_multipart([json.dumps({"kind": "act", "src": [1, 1], "g": 0, "h": 0, "m": 0,
+                                         "owner": 1, "v": 0, "tensors": [
+                                             {"name": "message", "dtype": "float32",
+                                              "shape": [1, 4, 32, 64], "stride": [0, 0, 0, 0]}]}
+                                        ).encode(), b"\0" * 10])
+        sock.close()
+        context.term()
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert "error" not in result, result.get("error")
+    summary = result["summary"]
+    summary["killed_at"] = killed_at
+    return summary
+
+
+def _journal(tmp_path: Path, replica: int, stage: int) -> list[dict]:
+    path = tmp_path / "pipe" / "stages" / f"r{replica}-s{stage}" / "process.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_recovered(summary: dict, tmp_path: Path, replica: int, stage: int) -> None:
+    pipe = summary["pipeline"]
+    assert pipe["replicas_agree"]                      # every replica holds the same weights
+    (notice,) = pipe["notices"]                        # one death, noticed once
+    assert (notice["replica"], notice["stage"], notice["gone"]) == (replica, stage, False)
+    assert notice["wall"] - summary["killed_at"] < 5.0
+    kinds = [(r["kind"], r.get("planned")) for r in _journal(tmp_path, replica, stage)]
+    assert kinds == [("start", None), ("kill", False), ("restart", None), ("rejoin", None)]
+    rejoin = _journal(tmp_path, replica, stage)[-1]["global_step"]
+    assert rejoin == notice["round"] + 1               # back at the next round boundary
+    # it went on learning: the final loss is below the initial one
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def test_a_real_kill_of_an_inner_stage_mid_step_is_bypassed_live_under_skip(
+        tmp_path: Path) -> None:
+    summary = _kill_during(_config("none", "skip", p=0), tmp_path, replica=0, stage=1,
+                           after_rounds=2, offset_s=0.05, hostile=True)
+    _check_recovered(summary, tmp_path, 0, 1)
+    # the malformed messages were refused and counted, and nothing crashed
+    assert summary["pipeline"]["links"]["refused"] >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, stage", [("drop", 2), ("reroute", 1), ("skip", 0),
+                                             ("skip", 3)])
+def test_a_real_kill_recovers_under_every_strategy_and_at_the_ends(strategy, stage,
+                                                                  tmp_path: Path) -> None:
+    summary = _kill_during(_config("ssn", strategy, p=0), tmp_path, replica=1, stage=stage,
+                           after_rounds=2, offset_s=0.05)
+    _check_recovered(summary, tmp_path, 1, stage)
+
+
+@pytest.mark.slow
+def test_a_stage_that_never_returns_is_skipped_for_the_rest_of_the_run(tmp_path: Path) -> None:
+    summary = _kill_during(_config("none", "skip", p=0), tmp_path, replica=0, stage=2,
+                           after_rounds=2, offset_s=0.05, restarts=0)
+    pipe = summary["pipeline"]
+    assert [(x["replica"], x["stage"]) for x in pipe["lost"]] == [(0, 2)]
+    (notice,) = pipe["notices"]
+    assert notice["gone"] and pipe["replicas_agree"]
+    rounds = [json.loads(line) for line in
+              (tmp_path / "pipe" / "stages" / "r0-s1" / "rounds.jsonl").read_text().splitlines()]
+    assert all(2 in r["bypassed"] for r in rounds if r["global_step"] > notice["round"])

@@ -3,9 +3,11 @@
 `launch_pipeline(config, out_dir=...)` writes `run.json` (config, run key, store URL, the fault
 plan, every stage-replica's link address, micro-batches, lives), starts one process per
 stage-replica (`python -m crucible.distributed.pipeline.stage --run-dir DIR --replica R --stage
-S`: an operator tells them apart in `ps`), restarts a process that died while it has lives left
-(one per planned failure of its stage-replica, plus `restarts` for unplanned deaths), and when
-every process has finished merges their folders into the run folder:
+S`: an operator tells them apart in `ps`; `stages/rR-sS/pid` names the current one), restarts a
+process that died while it has lives left (one per planned failure of its stage-replica, plus
+`restarts` for unplanned deaths), tells every process of an unplanned death (a `ctl` message on
+its link, `notices.jsonl`), and when every process has finished (or is lost) merges their
+folders into the run folder:
 
 - `model.pt`: the global weights, stage s from its stage-replicas (which must all hold the same
   bits: the merge checks it, and says so in the summary's `pipeline.replicas_agree`);
@@ -32,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 
 from crucible.config import Config, ConfigError
-from crucible.distributed.pipeline.stage import check_pipeline, stage_dir
+from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox
+from crucible.distributed.pipeline.stage import check_pipeline, died_in_round, stage_dir
 from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
-from crucible.runfiles import read_jsonl, write_json_atomic
+from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic
 
 __all__ = ["launch_pipeline", "stage_command", "free_ports", "DEFAULT_RESTARTS"]
 
@@ -72,8 +76,10 @@ def _start(run_dir: Path, replica: int, stage: int) -> subprocess.Popen[bytes]:
     log_file = open(folder / "stage.log", "ab")   # noqa: SIM115 - the child holds it
     try:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(stage_command(run_dir, replica, stage), stdout=log_file,
+        proc = subprocess.Popen(stage_command(run_dir, replica, stage), stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        (folder / "pid").write_text(f"{proc.pid}\n")   # which process is this stage now
+        return proc
     finally:
         log_file.close()
 
@@ -94,8 +100,11 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
                     restarts: int = DEFAULT_RESTARTS, link_timeout_s: float = 120.0,
                     host: str = "127.0.0.1") -> dict[str, Any]:
     """Run `config` with one process per stage-replica; returns the merged summary (also in
-    `out_dir/summary.json`). Raises ConfigError for what the pipeline mode cannot run and
-    RuntimeError when a stage-replica dies with no life left."""
+    `out_dir/summary.json`). A stage-replica killed by a signal is restarted while it has
+    lives (one per planned failure, plus `restarts`); every process is told of an unplanned
+    death (`_notify`), and one with no life left is reported in `pipeline.lost` while the run
+    goes on without it. Raises ConfigError for what the pipeline mode cannot run and
+    RuntimeError when a stage process fails with an error."""
     check_pipeline(config, micro_batches=micro_batches)
     if restarts < 0:
         raise ConfigError(f"--restarts must be >= 0, got {restarts}")
@@ -127,14 +136,17 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
     procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
     used = {key: 1 for key in [(r, s) for r in range(R) for s in range(S)]}
     done: set[tuple[int, int]] = set()
+    lost: dict[tuple[int, int], dict[str, Any]] = {}
+    context = zmq.Context()
+    notices = Outbox(context, LAUNCHER, LinkCounters())
     try:
         for r in range(R):
             for s in range(S):
                 procs[(r, s)] = _start(out, r, s)
-        while len(done) < R * S:
+        while len(done) + len(lost) < R * S:
             time.sleep(_POLL_S)
             for key, proc in list(procs.items()):
-                if key in done or proc.poll() is None:
+                if key in done or key in lost or proc.poll() is None:
                     continue
                 if proc.returncode == 0:
                     done.add(key)
@@ -144,10 +156,17 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
                     raise RuntimeError(
                         f"stage {s} of replica {r} failed (exit {proc.returncode}); its log: "
                         f"{stage_dir(out, r, s) / 'stage.log'}")
-                if used[key] >= lives[f"{r},{s}"]:
-                    raise RuntimeError(
-                        f"stage {s} of replica {r} died (exit {proc.returncode}) with no life "
-                        f"left ({used[key]} used); its log: {stage_dir(out, r, s) / 'stage.log'}")
+                gone = used[key] >= lives[f"{r},{s}"]
+                if not _planned_death(out, r, s, life=used[key] - 1):
+                    _notify(out, notices, addresses, r=r, s=s, gone=gone,
+                            exit_code=proc.returncode)
+                if gone:
+                    log.warning("stage %d of replica %d died (exit %d) with no life left (%d "
+                                "used): the run goes on without it", s, r, proc.returncode,
+                                used[key])
+                    lost[key] = {"replica": r, "stage": s, "exit": proc.returncode,
+                                 "lives": used[key]}
+                    continue
                 log.info("stage %d of replica %d exited %d; restarting (life %d of %d)", s, r,
                          proc.returncode, used[key] + 1, lives[f"{r},{s}"])
                 used[key] += 1
@@ -155,8 +174,32 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
     except BaseException:
         _stop(list(procs.values()))
         raise
+    finally:
+        notices.close()
+        context.term()
     wall_s = time.time() - started
-    return merge_pipeline(out, config, wall_s=wall_s, lives_used=used)
+    return merge_pipeline(out, config, wall_s=wall_s, lives_used=used, lost=list(lost.values()))
+
+
+def _planned_death(out: Path, replica: int, stage: int, *, life: int) -> bool:
+    """Whether life `life` of the stage-replica ended by its own planned kill (its journal's
+    last record says so): every peer knows that one from the fault plan."""
+    path = stage_dir(out, replica, stage) / "process.jsonl"
+    records = read_jsonl(path) if path.exists() else []
+    last = records[-1] if records else {}
+    return bool(last.get("kind") == "kill" and last.get("planned") and last.get("life") == life)
+
+
+def _notify(out: Path, notices: Outbox, addresses: dict[str, str], *, r: int, s: int,
+            gone: bool, exit_code: int) -> None:
+    """Tell every stage process that stage `s` of replica `r` died unplanned (in the round
+    after its last round record) and whether it comes back; recorded in `notices.jsonl`."""
+    control = {"event": "dead", "replica": r, "stage": s,
+               "round": died_in_round(stage_dir(out, r, s)), "gone": gone}
+    for key, address in addresses.items():
+        if key != f"{r},{s}":
+            notices.send(address, "ctl", g=0, h=0, m=0, tensors={}, control=control)
+    append_jsonl(out / "notices.jsonl", {**control, "exit": exit_code, "wall": time.time()})
 
 
 def _stage_weights(out: Path, config: Config, name: str) -> tuple[list[dict[str, torch.Tensor]],
@@ -182,7 +225,8 @@ def _stage_weights(out: Path, config: Config, name: str) -> tuple[list[dict[str,
 
 
 def merge_pipeline(out: Path, config: Config, *, wall_s: float,
-                   lives_used: dict[tuple[int, int], int]) -> dict[str, Any]:
+                   lives_used: dict[tuple[int, int], int],
+                   lost: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from crucible.evaluation import Evaluator
 
     R, S = config.replicas, config.pipeline.stages
@@ -207,8 +251,11 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
     for r in range(R):
         for s in range(S):
             folder = stage_dir(out, r, s)
+            if (folder / "rounds.jsonl").exists():
+                rounds += read_jsonl(folder / "rounds.jsonl")
+            if not (folder / "summary.json").exists():   # lost: it never finished
+                continue
             summary = json.loads((folder / "summary.json").read_text())
-            rounds += read_jsonl(folder / "rounds.jsonl")
             links = summary["links"]
             for key in ("sent_bytes", "sent_payload"):
                 for kind, n in links[key].items():
@@ -216,7 +263,9 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
             link["refused"] += sum(links["refused"].values())
             tokens += int(summary["tokens"])
             stages.append({"replica": r, "stage": s, "lives": lives_used[(r, s)],
-                           "wall_s": summary["wall_s"], "links": links})
+                           "wall_s": summary["wall_s"], "links": links,
+                           "retried_steps": summary.get("retried_steps", 0),
+                           "dropped_steps": summary.get("dropped_steps", 0)})
     rounds.sort(key=lambda x: (x["global_step"], x["replica"], x["stage"]))
     with open(out / "rounds.jsonl", "w") as fh:
         for row in rounds:
@@ -228,7 +277,10 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
         else None,
         "final_val_loss": final["val_loss"] if final else None, "evals": evals,
         "tokens_processed": tokens,
-        "pipeline": {"replicas_agree": agree, "links": link, "stages": stages},
+        "pipeline": {"replicas_agree": agree, "links": link, "stages": stages,
+                     "lost": lost or [],
+                     "notices": read_jsonl(out / "notices.jsonl")
+                     if (out / "notices.jsonl").exists() else []},
     }
     write_json_atomic(out / "summary.json", result)
     return result

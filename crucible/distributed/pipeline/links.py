@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +31,14 @@ import numpy as np
 import torch
 import zmq
 
-__all__ = ["KINDS", "dense", "Expect", "Inbox", "LinkError", "LinkTimeout", "Outbox", "Received",
+__all__ = ["KINDS", "LAUNCHER", "dense", "Expect", "Inbox", "Interrupted", "LinkError",
+           "LinkTimeout", "Outbox", "Received",
            "ids_dtype", "MAX_HEADER_BYTES"]
 
 log = logging.getLogger(__name__)
 
-KINDS = ("act", "grad", "norms")
+KINDS = ("act", "grad", "norms", "clip", "ctl")
+LAUNCHER = (-1, -1)   # the `src` of the launcher's control messages
 MAX_HEADER_BYTES = 4096
 _DTYPES = {"float32": (torch.float32, np.float32), "bfloat16": (torch.bfloat16, None),
            "uint8": (torch.uint8, np.uint8), "int16": (torch.int16, np.int16),
@@ -50,6 +52,11 @@ class LinkError(RuntimeError):
 
 class LinkTimeout(LinkError):
     """An awaited message did not arrive before its deadline."""
+
+
+class Interrupted(LinkError):
+    """A control message changed what the awaited message would be (a stage died): the wait
+    is abandoned, and the step that waited runs again under the new membership."""
 
 
 def ids_dtype(vocab_size: int) -> torch.dtype:
@@ -120,10 +127,12 @@ class Outbox:
         self.sockets: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, kind: str, *, g: int, h: int, m: int,
-             tensors: Mapping[str, torch.Tensor], owner: int = -1) -> int:
+             tensors: Mapping[str, torch.Tensor], owner: int = -1, v: int = 0,
+             control: Mapping[str, Any] | None = None) -> int:
         """Send one message; returns its bytes (header and tensor frames). `owner`: the
         replica whose micro-batch it belongs to (rerouted ones cross other replicas' stages;
-        -1 for `norms`)."""
+        -1 for `norms`); `v`: the owner's membership view the message was made under (a
+        message of an older view is never used); `control`: a `ctl` message's fields."""
         assert kind in KINDS
         sock = self.sockets.get(address)
         if sock is None:
@@ -144,7 +153,8 @@ class Outbox:
             flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
             frames.append(memoryview(flat.view(torch.uint8).numpy()) if t.numel() else b"")
         header = json.dumps({"kind": kind, "src": list(self.me), "g": g, "h": h, "m": m,
-                             "owner": owner, "tensors": meta}).encode()
+                             "owner": owner, "v": v, "tensors": meta,
+                             **({"control": dict(control)} if control else {})}).encode()
         started = time.perf_counter()
         sock.send_multipart([header, *frames], copy=True)
         self.counters.send_s += time.perf_counter() - started
@@ -165,30 +175,48 @@ class Inbox:
     """This process's PULL socket and the messages that arrived before they were asked for."""
 
     def __init__(self, context: zmq.Context, address: str, counters: LinkCounters, *,
-                 max_bytes: int) -> None:
-        self.counters, self.max_bytes = counters, max_bytes
+                 max_bytes: int,
+                 on_control: Callable[[dict[str, Any]], None] | None = None,
+                 expect_for: Callable[[dict[str, Any]], Mapping[str, Expect] | None] | None = None,
+                 max_waiting: int = 4096) -> None:
+        """`on_control`: called with a `ctl` message's `control` fields as it arrives (only
+        the launcher's are taken). `expect_for`: what a message with this header must hold
+        (None: nothing from that sender of that kind is expected), so that every message is
+        checked as it arrives, not only when asked for; at most `max_waiting` checked
+        messages wait to be asked for (a peer that floods the link is refused)."""
+        self.counters, self.max_bytes, self.on_control = counters, max_bytes, on_control
+        self.expect_for, self.max_waiting = expect_for, max_waiting
         self.socket = context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
         self.socket.bind(address)
-        self.waiting: dict[tuple[str, tuple[int, int], int, int, int, int], list[Any]] = {}
+        self.waiting: dict[tuple[str, tuple[int, int], int, int, int, int, int], list[Any]] = {}
 
     def close(self) -> None:
         self.socket.close()
 
+    def drain(self) -> None:
+        """Read what has arrived without waiting (control messages take effect)."""
+        while self.socket.poll(0):
+            self._take(self.socket.recv_multipart(copy=True))
+
     def receive(self, kind: str, src: tuple[int, int], *, g: int, h: int, m: int,
-                expect: Mapping[str, Expect], timeout_s: float, owner: int = -1) -> Received:
-        """The message `kind` from `src` for (g, h, m) of replica `owner`'s micro-batch,
-        checked against `expect`; raises LinkTimeout when it has not arrived (valid) within
-        `timeout_s`."""
-        key = (kind, tuple(src), g, h, m, owner)
+                expect: Mapping[str, Expect], timeout_s: float, owner: int = -1, v: int = 0,
+                valid: Callable[[], bool] | None = None) -> Received:
+        """The message `kind` from `src` for (g, h, m) of replica `owner`'s micro-batch under
+        view `v`, checked against `expect`; raises LinkTimeout when it has not arrived (valid)
+        within `timeout_s`, and Interrupted as soon as `valid()` turns False (a control message
+        changed the membership)."""
+        key = (kind, tuple(src), g, h, m, owner, v)
         deadline = time.monotonic() + timeout_s
         started = time.perf_counter()
         try:
             while True:
+                if valid is not None and not valid():
+                    raise Interrupted(f"{kind} from {src} for step {g}.{h} no longer awaited")
                 frames = self.waiting.pop(key, None)
                 if frames is not None:
-                    checked = self._check(frames, expect)
+                    checked = frames[1] if frames[0] is None else self._check(frames, expect)
                     if checked is not None:
                         return checked
                     continue
@@ -199,19 +227,58 @@ class Inbox:
                                       f"within {timeout_s:.1f} s")
                 if not self.socket.poll(int(min(left, 0.5) * 1000) + 1):
                     continue
-                frames = self.socket.recv_multipart(copy=True)
-                header = self._header(frames)
-                if header is None:
-                    continue
-                got = (header["kind"], (int(header["src"][0]), int(header["src"][1])),
-                       int(header["g"]), int(header["h"]), int(header["m"]),
-                       int(header["owner"]))
-                if got in self.waiting:
-                    self._refuse(header["kind"], f"a second message for {got}")
-                    continue
-                self.waiting[got] = [header, frames[1:]]
+                self._take(self.socket.recv_multipart(copy=True))
         finally:
             self.counters.wait_s += time.perf_counter() - started
+
+    def _take(self, frames: list[bytes]) -> None:
+        header = self._header(frames)
+        if header is None:
+            return
+        if header["kind"] == "ctl":
+            if tuple(header["src"]) != LAUNCHER or not isinstance(header.get("control"), dict):
+                self._refuse("ctl", "a control message not from the launcher")
+                return
+            if self.on_control is not None:
+                self.on_control(header["control"])
+            return
+        got = (header["kind"], (int(header["src"][0]), int(header["src"][1])),
+               int(header["g"]), int(header["h"]), int(header["m"]), int(header["owner"]),
+               int(header["v"]))
+        if got in self.waiting:
+            self._refuse(header["kind"], f"a second message for {got}")
+            return
+        if len(self.waiting) >= self.max_waiting:
+            self._refuse(header["kind"], f"{len(self.waiting)} messages wait already")
+            return
+        if self.expect_for is None:
+            self.waiting[got] = [header, frames[1:]]
+            return
+        expect = self.expect_for(header)
+        if expect is None:
+            self._refuse(header["kind"], f"nothing of this kind is expected from {got[1]}")
+            return
+        checked = self._check([header, frames[1:]], expect)
+        if checked is not None:
+            self.waiting[got] = [None, checked]
+
+    def take(self, kind: str, src: tuple[int, int], *, g: int, h: int, m: int, owner: int,
+             v: int, expect: Mapping[str, Expect]) -> Received | None:
+        """The message if it has arrived (and is valid), without waiting."""
+        self.drain()
+        frames = self.waiting.pop((kind, tuple(src), g, h, m, owner, v), None)
+        if frames is None:
+            return None
+        return frames[1] if frames[0] is None else self._check(frames, expect)
+
+    def forget(self, owner: int, *, g: int, h: int, below: int) -> int:
+        """Drop the stored messages of `owner`'s inner step (g, h) made in an attempt before
+        `below` (they will never be asked for); returns how many."""
+        stale = [k for k in self.waiting
+                 if k[5] == owner and k[2] == g and k[3] == h and k[6] < below]
+        for key in stale:
+            del self.waiting[key]
+        return len(stale)
 
     def _refuse(self, kind: str, why: str) -> None:
         self.counters.refused[kind if kind in KINDS else "unknown"] += 1
@@ -226,7 +293,8 @@ class Inbox:
             if (not isinstance(header, dict) or header.get("kind") not in KINDS
                     or not isinstance(header.get("tensors"), list)
                     or len(header["tensors"]) != len(frames) - 1
-                    or not all(isinstance(header.get(k), int) for k in ("g", "h", "m", "owner"))
+                    or not all(isinstance(header.get(k), int)
+                               for k in ("g", "h", "m", "owner", "v"))
                     or not isinstance(header.get("src"), list) or len(header["src"]) != 2
                     or not all(isinstance(x, int) for x in header["src"])):
                 raise ValueError("fields missing or of the wrong type")

@@ -53,6 +53,7 @@ from crucible.distributed.journal import Journal
 from crucible.distributed.pipeline.links import (
     Expect,
     Inbox,
+    Interrupted,
     LinkCounters,
     Outbox,
     ids_dtype,
@@ -77,7 +78,11 @@ from crucible.runfiles import append_jsonl, write_json_atomic
 from crucible.store import open_store
 from crucible.strategy import StepPlan, plan_step
 
-__all__ = ["StageModel", "StageWorker", "check_pipeline", "stage_dir", "main"]
+__all__ = ["StageModel", "StageWorker", "check_pipeline", "stage_dir", "main", "GRACE_S"]
+
+# after a death notice, how long the first stage waits for a message the dead stage may have sent
+# just before it died (it travels on another connection than the launcher's notice)
+GRACE_S = 0.3
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +155,24 @@ class StageModel(nn.Module):
             param.copy_(weights[name].expand_as(param))
 
 
+class _DeathWatch:
+    """What the outer round's wait asks of its peers (`ReplicaSync.watch`): a stage-replica the
+    launcher reported dead in a round is not waited for in it (nor after, when it is gone)."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+
+    def refresh(self) -> None:
+        self.worker.inbox.drain()
+
+    def waits_for(self, replica: int, global_step: int) -> bool:
+        return ((replica, self.worker.s) not in self.worker._dead_now(global_step)
+                and not self.worker._dropped_by_death(replica, global_step))
+
+    def round_over(self, global_step: int) -> None:
+        """Nothing to forget: a death is tied to its round."""
+
+
 class StageWorker:
     """Stage `stage` of replica `replica` of the run in `run_dir` (its `run.json`)."""
 
@@ -180,6 +203,7 @@ class StageWorker:
         self.momentum = torch.zeros_like(self.params["basis"]) if "basis" in self.params else None
         self.sync = ReplicaSync(config, self.model, store=self.store, run_key=self.run_key,
                                 replica=replica, stages=[stage])
+        self.sync.watch = _DeathWatch(self)
         self.fixed = boundary.fixed_tensors(config)
         hd = config.model.d_model // config.model.heads
         self.rope = rope_tables(config.model.seq_len, hd, config.model.rope_base)
@@ -190,8 +214,15 @@ class StageWorker:
                                   replicas=config.replicas, seed=config.seed)
         self.counters = LinkCounters()
         self.context = zmq.Context()
+        # unplanned deaths the launcher reported: (replica, stage) -> (round died in, gone)
+        self.deaths: dict[tuple[int, int], tuple[int, bool]] = {}
+        self.attempt = 0                   # this inner step's attempt (messages carry it)
+        self.retried = 0                   # inner steps run again after a death
+        self.dropped = 0                   # inner steps dropped after a death
         self.inbox = Inbox(self.context, self.addresses[f"{replica},{stage}"], self.counters,
-                           max_bytes=self._max_message_bytes())
+                           max_bytes=self._max_message_bytes(), on_control=self._control,
+                           expect_for=self._expect_for,
+                           max_waiting=8 * self.M * (self.R + self.S) + 64)
         self.outbox = Outbox(self.context, (replica, stage), self.counters)
         self.tokens = 0
         self.next_step = 0
@@ -220,6 +251,22 @@ class StageWorker:
             out["basis"] = act["basis"]
         return out
 
+    def _expect_for(self, header: dict[str, Any]) -> dict[str, Expect] | None:
+        """What a message must hold, by its kind and sender (None: not expected from it)."""
+        q, t = header["src"]
+        if not (0 <= q < self.R and 0 <= t < self.S) or (q, t) == (self.r, self.s):
+            return None
+        kind = header["kind"]
+        if kind == "act" and t < self.s:
+            return self._act_expect()
+        if kind == "grad" and t > self.s:
+            return self._grad_expect()
+        if kind == "norms" and q == self.r and self.s == 0:
+            return {"norms": Expect(torch.float32, (self.adamw_counts[t],))}
+        if kind == "clip" and q == self.r and t == 0:
+            return self._verdict_expect()
+        return None
+
     def _max_message_bytes(self) -> int:
         def size(e: Expect) -> int:
             n = 1
@@ -228,6 +275,85 @@ class StageWorker:
             return n * torch.empty(0, dtype=e.dtype).element_size()
         most = sum(size(e) for e in self._act_expect().values())
         return max(most, 8 * (sum(self.adamw_counts) + 1))
+
+    # -- deaths the launcher reports ---------------------------------------------------------
+    def _control(self, control: dict[str, Any]) -> None:
+        """A control message: an unplanned death of a stage-replica (`dead`), with the round
+        it died in and whether it will come back (`gone`: no life left)."""
+        if control.get("event") != "dead":
+            return
+        try:
+            q, t, d = int(control["replica"]), int(control["stage"]), int(control["round"])
+            gone = bool(control.get("gone", False))
+        except (KeyError, TypeError, ValueError):
+            log.warning("refused a control message: %r", control)
+            return
+        if not (0 <= q < self.R and 0 <= t < self.S) or (q, t) == (self.r, self.s):
+            return
+        self.deaths[(q, t)] = (d, gone)
+        log.info("r%d s%d: stage %d of replica %d died in global step %d%s", self.r, self.s, t,
+                 q, d, " for good" if gone else "")
+
+    def _dead_now(self, g: int) -> set[tuple[int, int]]:
+        """The stage-replicas that are down in round g by an unplanned death: in the round
+        they died in, and in every later one when they will not come back."""
+        return {key for key, (d, gone) in self.deaths.items() if g == d or (gone and g > d)}
+
+    def _contributes(self, g: int, base: StepPlan) -> torch.Tensor:
+        """Who contributes to round g's outer round, as this process knows it: the plan's,
+        less its own replica when an unplanned death dropped it (as the simulator's drop: a
+        dropped replica contributes nothing, its partial round is discarded). A peer that
+        has not heard of the death waits for the contribution until the notice reaches it."""
+        contributes = base.contributes.clone()
+        if bool(self._effective(g).loss_weight[self.r] == 0):
+            contributes[self.r] = False
+        return contributes
+
+    def _dropped_by_death(self, replica: int, g: int) -> bool:
+        return bool(self._effective(g).loss_weight[replica] == 0) and not bool(
+            plan_step(self.plan, g, config=self.config).loss_weight[replica] == 0)
+
+    def _chain_dead(self, g: int, step: StepPlan) -> set[tuple[int, int]]:
+        """The unplanned deaths of round g in the chains this process runs micro-batches for:
+        a stage of its replica, or a donor stage one of those micro-batches passes through.
+        A death elsewhere changes nothing here."""
+        owners = set(self._owners(step)) | {self.r}
+        out = set()
+        for q, t in self._dead_now(g):
+            route = step.route.get(t)
+            if q in owners or (route is not None
+                               and any(int(route[o]) == q for o in owners)):
+                out.add((q, t))
+        return out
+
+    def _effective(self, g: int) -> StepPlan:
+        """The round's step plan with the unplanned deaths known now: under skip an inner
+        stage is bypassed (the replica's other stages go on); otherwise (drop, reroute, or a
+        first or last stage) the replica drops its tokens for the rest of the round, as does
+        every replica whose micro-batches pass through the dead stage as a donor."""
+        step = plan_step(self.plan, g, config=self.config)
+        dead = self._dead_now(g)
+        if not dead:
+            return step
+        step = StepPlan(down=step.down.clone(), bypass=step.bypass.clone(),
+                        active=step.active.clone(), loss_weight=step.loss_weight.clone(),
+                        route={t: idx.clone() for t, idx in step.route.items()},
+                        donors=dict(step.donors), extra_load=step.extra_load)
+        strategy = self.config.faults.strategy
+        for q, t in sorted(dead):
+            step.down[q, t] = True
+            step.active[q, t] = False
+            if strategy == "skip" and 0 < t < self.S - 1:
+                step.bypass[q, t] = True
+                continue
+            dropped = {q}
+            route = step.route.get(t)
+            if route is not None:
+                dropped |= {p for p in range(self.R) if int(route[p]) == q}
+            for p in dropped:
+                step.loss_weight[p] = 0.0
+                step.active[p] = False
+        return step
 
     # -- who does what this round -----------------------------------------------------------
     def _own_live(self, step: StepPlan) -> list[int]:
@@ -259,7 +385,8 @@ class StageWorker:
         owners = [] if bool(step.loss_weight[self.r] == 0) else [self.r]
         route = step.route.get(self.s)
         if route is not None:
-            owners += [q for q in range(self.R) if q != self.r and int(route[q]) == self.r]
+            owners += [q for q in range(self.R) if q != self.r and int(route[q]) == self.r
+                       and bool(step.loss_weight[q] > 0)]
         # ascending: a donor's gradient sums its batches in replica order, as the simulator's
         # gather does
         return sorted(owners)
@@ -275,9 +402,15 @@ class StageWorker:
         if life == 0:
             self.journal.record("start", 0, stage=self.s)
             return
-        killed = [r for r in self.journal.records() if r.get("kind") == "kill"]
-        dead = int(killed[-1]["global_step"]) if killed else 0
-        rejoin = dead
+        records = self.journal.records()
+        last = records[-1] if records else {}
+        if last.get("kind") == "kill" and last.get("planned") and last.get("life") == life - 1:
+            dead = rejoin = int(last["global_step"])      # the plan's: down from that round
+        else:   # unplanned: it dies in the round after its last round record
+            dead = died_in_round(self.out)
+            self.journal.record("kill", dead, stage=self.s, planned=False, rejoin=True,
+                                life=life - 1)
+            rejoin = dead + 1
         while rejoin < self.config.train.global_steps and bool(
                 self.plan.down_matrix(rejoin, replicas=self.R, stages=self.S)[self.r, self.s]):
             rejoin += 1
@@ -310,15 +443,16 @@ class StageWorker:
                 self.journal.record("kill", g, stage=self.s, planned=True, rejoin=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             inner_started = time.perf_counter()
-            losses = self._inner_steps(g, step)
+            losses = self._inner_steps(g)
             inner_s = time.perf_counter() - inner_started
-            results = self.sync.synchronise(g, step.contributes)
+            results = self.sync.synchronise(g, self._contributes(g, step))
             self.next_step = g + 1
+            seen = self._effective(g)   # the plan and the deaths known by the round's end
             append_jsonl(self.out / "rounds.jsonl", {
                 "global_step": g, "replica": self.r, "stage": self.s,
-                "trained": bool(step.active[self.r, self.s]),
-                "dropped": bool(step.loss_weight[self.r] == 0),
-                "bypassed": [t for t in range(self.S) if bool(step.bypass[self.r, t])],
+                "trained": bool(seen.active[self.r, self.s]),
+                "dropped": bool(seen.loss_weight[self.r] == 0),
+                "bypassed": [t for t in range(self.S) if bool(seen.bypass[self.r, t])],
                 "train_loss": losses, "inner_s": inner_s,
                 "upload_bytes": sum(x.upload_bytes for x in results),
                 "wait_s": self.sync.waits_s[-1] if self.sync.waits_s else 0.0,
@@ -328,6 +462,7 @@ class StageWorker:
         wall = time.perf_counter() - started
         summary = {"replica": self.r, "stage": self.s, "life": self.journal.life,
                    "wall_s": wall, "links": self.counters.to_dict(),
+                   "retried_steps": self.retried, "dropped_steps": self.dropped,
                    "tokens": self.tokens, "codec_s": self.sync.codec_s,
                    "round_waits_s": self.sync.waits_s}
         save_global_weights(self.out / "model.pt", self.sync.global_weights)
@@ -359,28 +494,56 @@ class StageWorker:
         ids, targets = self.data.batch(replica=self.r, batch_size=self.config.train.batch_size)
         return ids[None], targets[None]
 
-    def _inner_steps(self, g: int, step: StepPlan) -> float | None:
-        dropped = bool(step.loss_weight[self.r] == 0)
+    def _inner_steps(self, g: int) -> float | None:
+        """The round's H inner steps. An unplanned death in the replica's chain mid-step ends
+        the step's attempt everywhere in the replica: under skip the replica's first stage
+        decides (`_verdict`) whether the step completed (the dead stage had done its part) or
+        runs again with the stage bypassed (the micro-batches in flight retried, counted in
+        `retried_steps`); when the replica drops instead, its remaining inner steps of the
+        round are dropped (`dropped_steps`)."""
+        base = plan_step(self.plan, g, config=self.config)
+        planned_drop = bool(base.loss_weight[self.r] == 0)
         total, counted = 0.0, 0
         for h in range(self.H):
             batch = self._batch() if self.data is not None else None   # the stream moves on
-            if dropped:
+            if planned_drop:
                 continue
             lr = lr_at(float(g * self.H + h), train=self.config.train,
                        total_steps=self.config.train.global_steps * self.H)
-            loss = self._micro_batches(g, h, step, batch)
-            self._clip(g, h, step)
-            self._update(lr)
-
-            if loss is not None:
-                total += loss
-                counted += 1
-        self.tokens += 0 if dropped else self.H * self.config.train.batch_size * \
-            self.config.model.seq_len * (self.s == 0)
+            self.attempt = 0
+            while True:
+                step = self._effective(g)
+                if not self._owners(step):        # dropped (or nothing to run) from here on
+                    if bool(step.loss_weight[self.r] == 0):
+                        self.dropped += 1
+                    break
+                dead = self._chain_dead(g, step)
+                try:
+                    loss = self._micro_batches(g, h, step, batch, dead)
+                    done = self._clip(g, h, step)
+                except Interrupted:
+                    self.model.zero_grad(set_to_none=True)
+                    done = self._abandon(g, h, step)
+                if done:
+                    self._update(lr)
+                    if loss is not None:
+                        total += loss
+                        counted += 1
+                    if self.s == 0 and bool(step.loss_weight[self.r] > 0):
+                        self.tokens += self.config.train.batch_size * self.config.model.seq_len
+                    break
+                self.model.zero_grad(set_to_none=True)
+                if bool(self._effective(g).loss_weight[self.r] == 0):
+                    self.dropped += 1
+                    break
+                self.retried += 1
+                self.attempt += 1
+                self.inbox.forget(self.r, g=g, h=h, below=self.attempt)
         return total / counted if counted else None
 
     def _micro_batches(self, g: int, h: int, step: StepPlan,
-                       batch: tuple[torch.Tensor, torch.Tensor] | None) -> float | None:
+                       batch: tuple[torch.Tensor, torch.Tensor] | None,
+                       dead: set[tuple[int, int]]) -> float | None:
         """Fill-drain: every micro-batch this process runs (its replica's, then those it is the
         donor for) forward, then every one backward. Returns the mean training loss of its own
         micro-batches on the last stage (None elsewhere)."""
@@ -391,6 +554,11 @@ class StageWorker:
         for owner in self._owners(step):
             prev, nxt = self._neighbours(step, owner)
             weight = step.loss_weight[owner:owner + 1].float()
+            v = self.attempt if owner == self.r else 0
+
+            def valid() -> bool:   # nothing in the chains it runs died since the attempt began
+                return self._chain_dead(g, step) == dead
+
             for m in range(self.M):
                 params = self._params_used(step)
                 leaves: dict[str, torch.Tensor] = {}
@@ -404,8 +572,9 @@ class StageWorker:
                                       token_table=self.fixed.token_table)
                 else:
                     assert prev is not None
-                    got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner,
-                                             expect=self._act_expect(), timeout_s=self.timeout_s)
+                    got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner, v=v,
+                                             expect=self._act_expect(), timeout_s=self.timeout_s,
+                                             valid=valid)
                     message = got.tensors["message"].requires_grad_(True)
                     leaves["message"] = message
                     ids = (got.tensors["ids"].long() if "ids" in got.tensors
@@ -439,17 +608,19 @@ class StageWorker:
                     out["ids"] = ids.to(ids_dtype(self.config.model.vocab_size))
                 if self.kind == "mapl":
                     out["basis"] = params["basis"]
-                self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner,
+                self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner, v=v,
                                  tensors=out)
                 kept.append((owner, m, sent, leaves))
         for owner, m, output, leaves in kept:
             prev, nxt = self._neighbours(step, owner)
+            v = self.attempt if owner == self.r else 0
             if last:
                 output.backward()
             else:
                 assert nxt is not None
-                got = self.inbox.receive("grad", nxt, g=g, h=h, m=m, owner=owner,
-                                         expect=self._grad_expect(), timeout_s=self.timeout_s)
+                got = self.inbox.receive("grad", nxt, g=g, h=h, m=m, owner=owner, v=v,
+                                         expect=self._grad_expect(), timeout_s=self.timeout_s,
+                                         valid=valid)
                 if self.kind == "mapl":
                     # the receiver's decode gradient of the basis it was sent joins the
                     # encode's in one backward, summed where the simulator sums them
@@ -462,7 +633,7 @@ class StageWorker:
                 grads = {"message": leaves["message"].grad}
                 if self.kind == "mapl":
                     grads["basis"] = leaves["basis"].grad
-                self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=m, owner=owner,
+                self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=m, owner=owner, v=v,
                                  tensors=grads)
         self._average_donor_gradients(step)
         return sum(losses) / len(losses) if losses else None
@@ -489,36 +660,115 @@ class StageWorker:
             if p.grad is not None:
                 p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
 
+    def _verdict_expect(self) -> dict[str, Expect]:
+        return {"coef": Expect(torch.float32, (1,)), "dead": Expect(torch.uint8, (self.S,))}
+
     @torch.no_grad()
-    def _clip(self, g: int, h: int, step: StepPlan) -> None:
-        """Global-norm clipping over the replica's whole model: the live stages exchange their
-        per-tensor norms; a skipped stage's tensors count as zeros (its gradients are zero in
-        the simulator), in the simulator's tensor order."""
+    def _clip(self, g: int, h: int, step: StepPlan) -> bool:
+        """Global-norm clipping over the replica's whole model, decided by its first stage:
+        every other live stage sends its per-tensor norms to it, and it answers each with the
+        clipping factor (computed at the simulator's width, a down stage's tensors as zeros,
+        in the simulator's tensor order). A factor below 0 says the step runs again (a stage
+        of the chain died before it had done its part). Returns whether the step completed
+        (its gradients then clipped)."""
         params = self.optimizer.parameters()
         grads = [p.grad for p in params if p.grad is not None]
         mine = torch.stack([torch.linalg.vector_norm(g_.flatten(1), dim=1)[0] for g_ in grads])
-        live = self._own_live(step)
-        for t in live:
-            if t != self.s:
-                self.outbox.send(self._address(self.r, t), "norms", g=g, h=h, m=0,
-                                 tensors={"norms": mine})
-        parts = []
-        for t in range(self.S):
-            if t == self.s:
-                parts.append(mine)
-            elif t in live:
-                got = self.inbox.receive("norms", (self.r, t), g=g, h=h, m=0, owner=-1,
-                                         expect={"norms": Expect(torch.float32,
-                                                                 (self.adamw_counts[t],))},
-                                         timeout_s=self.timeout_s)
-                parts.append(got.tensors["norms"])
-            else:
-                parts.append(torch.zeros(self.adamw_counts[t]))
-        coef = clip_coefficient(torch.cat(parts), self.config.train.grad_clip,
-                                replica=self.r, replicas=self.R)
+        v = self.attempt
+        if self.s != 0:
+            self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
+                             v=v, tensors={"norms": mine})
+            coef = self._await_verdict(g, h)
+        else:
+            coef = self._decide(g, h, step, mine)
+        if coef is None:
+            return False
         if bool((coef < 1.0).any()):
             for g_ in grads:
                 g_.mul_(coef.view(-1, *([1] * (g_.dim() - 1))))
+        return True
+
+    def _await_verdict(self, g: int, h: int) -> torch.Tensor | None:
+        """The first stage's answer for this attempt: the factor, or None (run it again, with
+        the deaths it names). Raises Interrupted when the replica drops (the first stage, or
+        the last, died)."""
+        got = self.inbox.receive(
+            "clip", (self.r, 0), g=g, h=h, m=0, owner=self.r, v=self.attempt,
+            expect=self._verdict_expect(), timeout_s=self.timeout_s,
+            valid=lambda: bool(self._effective(g).loss_weight[self.r] > 0))
+        for t in torch.nonzero(got.tensors["dead"]).flatten().tolist():
+            self.deaths.setdefault((self.r, int(t)), (g, False))
+        coef = got.tensors["coef"]
+        return None if float(coef[0]) < 0 else coef
+
+    def _decide(self, g: int, h: int, step: StepPlan, mine: torch.Tensor) -> torch.Tensor | None:
+        """The first stage's verdict for this attempt, sent to every live stage of the
+        replica: the clipping factor when every live stage sent its norms (a stage that died
+        after sending them had done its part), else a retry."""
+        v = self.attempt
+        live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
+        parts: dict[int, torch.Tensor] = {0: mine}
+        complete = True
+        for t in live:
+            expect = {"norms": Expect(torch.float32, (self.adamw_counts[t],))}
+            try:
+                got = self.inbox.receive("norms", (self.r, t), g=g, h=h, m=0, owner=self.r,
+                                         v=v, expect=expect, timeout_s=self.timeout_s,
+                                         valid=lambda t=t: (self.r, t) not in self._dead_now(g))
+            except Interrupted:   # it died: did its norms make it out first?
+                time.sleep(GRACE_S)
+                got = self.inbox.take("norms", (self.r, t), g=g, h=h, m=0, owner=self.r, v=v,
+                                      expect=expect)
+                if got is None:
+                    complete = False
+                    continue
+            if bool((got.tensors["norms"] < 0).any()):   # it could not finish the step
+                complete = False
+                continue
+            parts[t] = got.tensors["norms"]
+        coef = None
+        if complete:
+            column = [parts.get(t, torch.zeros(self.adamw_counts[t])) for t in range(self.S)]
+            coef = clip_coefficient(torch.cat(column), self.config.train.grad_clip,
+                                    replica=self.r, replicas=self.R)
+        self._send_verdict(g, h, live, coef)
+        return coef
+
+    def _send_verdict(self, g: int, h: int, live: list[int], coef: torch.Tensor | None) -> None:
+        dead = torch.zeros(self.S, dtype=torch.uint8)
+        for q, t in self._dead_now(g):
+            if q == self.r:
+                dead[t] = 1
+        verdict = {"coef": coef if coef is not None else torch.full((1,), -1.0),
+                   "dead": dead}
+        if coef is None:
+            log.info("r%d: inner step %d.%d attempt %d runs again (stages %s down)", self.r, g,
+                     h, self.attempt, torch.nonzero(dead).flatten().tolist())
+        for t in live:
+            if (self.r, t) not in self._dead_now(g):
+                self.outbox.send(self._address(self.r, t), "clip", g=g, h=h, m=0, owner=self.r,
+                                 v=self.attempt, tensors=verdict)
+
+    def _abandon(self, g: int, h: int, step: StepPlan) -> bool:
+        """This attempt met a death in its chain before the stage finished its part: the
+        first stage answers every live stage with a retry; any other stage tells the first
+        it cannot finish (norms of -1) and takes its verdict. Returns False (not done), or
+        True if the first stage says the step completed (it cannot, for this stage)."""
+        if bool(self._effective(g).loss_weight[self.r] == 0):
+            return False                     # the replica drops: nobody waits for a verdict
+        if self.s == 0:
+            live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
+            self._send_verdict(g, h, live, None)
+            return False
+        log.info("r%d s%d: inner step %d.%d attempt %d met a death; asking the first stage",
+                 self.r, self.s, g, h, self.attempt)
+        marker = -torch.ones(self.adamw_counts[self.s])
+        self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
+                         v=self.attempt, tensors={"norms": marker})
+        try:
+            return self._await_verdict(g, h) is not None
+        except Interrupted:
+            return False
 
     def _update(self, lr: float) -> None:
         active = torch.ones(1, 1, dtype=torch.bool)
@@ -550,6 +800,15 @@ class StageWorker:
                               beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps, mask=mask)
         basis.data[0] = wide[0][at]
         self.momentum[0] = wide[2][at]
+
+
+def died_in_round(folder: Path) -> int:
+    """The round a stage process that died unplanned was in: the one after its last round
+    record (the launcher and the next life both read it so)."""
+    from crucible.runfiles import read_jsonl
+
+    rounds = read_jsonl(folder / "rounds.jsonl") if (folder / "rounds.jsonl").exists() else []
+    return int(rounds[-1]["global_step"]) + 1 if rounds else 0
 
 
 def run_stage(run_dir: Path, replica: int, stage: int) -> dict[str, Any]:
