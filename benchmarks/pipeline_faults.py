@@ -10,7 +10,10 @@ cores than stage processes the processes share the cores, so tokens/s is that of
 of a pipeline with a machine per stage.
 
     python -m benchmarks.pipeline_faults [--steps 8] [--offset 0.05] [--out runs/bench-pipeline]
-        [--json]
+        [--mbps 20] [--latency-ms 5] [--json]
+
+The shaped cases run uncompressed and SSN with every link at `--mbps` and `--latency-ms` (a rate
+limiter in the sender, `links.Shaping`): what the boundary compression buys in tokens/s there.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from crucible.config import apply_overrides
 from crucible.distributed.pipeline.launch import launch_pipeline
+from crucible.distributed.pipeline.links import Shaping
 from crucible.faults import FaultPlan
 from crucible.presets import get_preset
 from crucible.train import train
@@ -41,12 +45,14 @@ def _config(arm: str, strategy: str, steps: int):
         "faults.p=0", f"faults.strategy={strategy}"])
 
 
-def _pipeline(config, out: Path, *, kill_offset: float | None) -> dict[str, Any]:
+def _pipeline(config, out: Path, *, kill_offset: float | None,
+              shaping: Shaping | None = None) -> dict[str, Any]:
     """One pipeline run, with a SIGKILL of stage 1 of replica 0 mid-round when asked."""
     shutil.rmtree(out, ignore_errors=True)
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(
-        summary=launch_pipeline(config, out_dir=out, plan=FaultPlan(), link_timeout_s=120)))
+        summary=launch_pipeline(config, out_dir=out, plan=FaultPlan(), link_timeout_s=120,
+                                shaping=shaping)))
     thread.start()
     killed_at = None
     if kill_offset is not None:
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--offset", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-pipeline"))
+    parser.add_argument("--mbps", type=float, default=20.0,
+                        help="the shaped links' bandwidth (the shaped cases)")
+    parser.add_argument("--latency-ms", type=float, default=5.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -96,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         row = _pipeline(config, args.out / f"pipe-{arm}", kill_offset=None)
         row.update(arm=arm, case="no kill", sim_wall_s=sim_wall,
                    sim_tokens_per_s=sim["tokens_processed"] / sim_wall)
+        rows.append(row)
+    shaped = Shaping(mbps=args.mbps, latency_ms=args.latency_ms)
+    for arm in ("none", "ssn"):
+        row = _pipeline(_config(arm, "skip", args.steps), args.out / f"shaped-{arm}",
+                        kill_offset=None, shaping=shaped)
+        row.update(arm=arm, case=f"link {args.mbps:g} Mbit/s, {args.latency_ms:g} ms")
         rows.append(row)
     for strategy in ("skip", "drop"):
         row = _pipeline(_config("none", strategy, args.steps),

@@ -4,7 +4,8 @@ or with `--pipeline` one process per stage of every replica (`crucible.distribut
     crucible launch --preset smoke --nproc 2 [--set key=value ...] --out DIR \
         [--kill REPLICA@STEP ...] [--kill-forever REPLICA@STEP ...] [--restarts N] [--lease-s S]
     crucible launch --pipeline --preset smoke --nproc 2 [--set key=value ...] --out DIR \
-        [--micro-batches M] [--link-timeout S] [--restarts N]
+        [--micro-batches M] [--link-timeout S] [--link-mbps MBIT_S] [--link-latency-ms MS]
+        [--restarts N]
 
 In the pipeline mode the fault plan's stage failures are real: the stage process is killed at
 the start of its planned global step and restarted to rejoin when the plan says; a stage
@@ -64,15 +65,21 @@ def _parser() -> argparse.ArgumentParser:
                         "simulator's arithmetic)")
     p.add_argument("--link-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="--pipeline: how long a stage waits for a message before it fails")
+    p.add_argument("--link-mbps", type=float, default=0.0, metavar="MBIT_S",
+                   help="--pipeline: every link's bandwidth, megabits per second (0: no limit)")
+    p.add_argument("--link-latency-ms", type=float, default=0.0, metavar="MS",
+                   help="--pipeline: every link's latency, milliseconds")
     return p
 
 
 def _pipeline(args: argparse.Namespace, config) -> int:
     from crucible.distributed.pipeline.launch import launch_pipeline
+    from crucible.distributed.pipeline.links import Shaping
 
     try:
         summary = launch_pipeline(config, out_dir=args.out, micro_batches=args.micro_batches,
-                                  restarts=args.restarts, link_timeout_s=args.link_timeout)
+                                  restarts=args.restarts, link_timeout_s=args.link_timeout,
+                                  shaping=Shaping(args.link_mbps, args.link_latency_ms))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -116,10 +123,15 @@ def launch_main(argv: list[str]) -> int:
                               "the fault plan's stage failures are the kills (set faults.p and "
                               "faults.strategy)")
         if args.pipeline:
+            from crucible.distributed.pipeline.links import Shaping
             from crucible.distributed.pipeline.stage import check_pipeline
             check_pipeline(config, micro_batches=args.micro_batches)
             if args.link_timeout <= 0:
                 raise ConfigError(f"--link-timeout must be > 0 seconds, got {args.link_timeout}")
+            Shaping(args.link_mbps, args.link_latency_ms)   # refuses a negative one
+        elif args.link_mbps or args.link_latency_ms:
+            raise ConfigError("--link-mbps and --link-latency-ms shape the pipeline mode's "
+                              "links; add --pipeline")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

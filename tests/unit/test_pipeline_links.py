@@ -53,7 +53,7 @@ def _raw(raw, header: dict, *frames: bytes) -> None:
 
 
 def _header(**changes):
-    header = {"kind": "act", "src": [0, 1], "g": 0, "h": 0, "m": 0, "owner": 0,
+    header = {"kind": "act", "src": [0, 1], "g": 0, "h": 0, "m": 0, "owner": 0, "v": 0,
               "tensors": [{"name": "message", "dtype": "float32", "shape": list(SHAPE),
                            "stride": [64, 32, 8, 1]}]}
     header.update(changes)
@@ -85,7 +85,7 @@ def test_messages_arrive_in_any_order_and_are_matched_by_key(ends) -> None:
 
 @pytest.mark.parametrize("bad, reason", [
     ((b"not json",), "unknown"),
-    ((json.dumps({"kind": "evil", "src": [0, 1], "g": 0, "h": 0, "m": 0, "owner": 0,
+    ((json.dumps({"kind": "evil", "src": [0, 1], "g": 0, "h": 0, "m": 0, "owner": 0, "v": 0,
                   "tensors": []}).encode(),), "unknown"),
 ])
 def test_a_header_that_does_not_parse_is_refused(ends, bad, reason) -> None:
@@ -166,3 +166,35 @@ def test_what_the_pipeline_mode_cannot_run_is_refused_by_name(overrides, micro, 
     config = apply_overrides(get_preset("smoke"), overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         check_pipeline(config, micro_batches=micro)
+
+
+def test_a_shaped_link_holds_each_message_for_its_latency_and_bytes(ends) -> None:
+    from crucible.distributed.pipeline.links import Shaping
+
+    shaping = Shaping(mbps=8.0, latency_ms=20.0)          # 1 byte per microsecond
+    assert shaping.seconds(1000) == pytest.approx(0.020 + 0.001)
+    assert Shaping().seconds(10**9) == 0.0 and not Shaping().active
+    assert shaping.to_dict() == {"method": "sender rate limiter", "mbps": 8.0,
+                                 "latency_ms": 20.0}
+    inbox, _outbox, _raw, address, _counters, _sent = ends
+    counters = LinkCounters()
+    outbox = Outbox(zmq.Context.instance(), (0, 1), counters, shaping)
+    size = outbox.send(address, "act", g=0, h=0, m=0, owner=0,
+                       tensors={"message": torch.ones(SHAPE)})
+    outbox.close()
+    assert counters.shaped_s >= shaping.seconds(size) * 0.99
+    assert inbox.receive("act", (0, 1), g=0, h=0, m=0, owner=0, expect=EXPECT, timeout_s=5)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--pipeline", "--link-mbps", "-3"], "--link-mbps"),
+    (["--pipeline", "--link-latency-ms", "-1"], "--link-latency-ms"),
+    (["--link-mbps", "5"], "add --pipeline"),
+    (["--pipeline", "--kill", "0@1"], "--kill"),
+])
+def test_bad_pipeline_options_exit_2_naming_the_option(argv, needle, tmp_path, capsys) -> None:
+    from cli.launch import launch_main
+
+    code = launch_main(["--nproc", "2", "--out", str(tmp_path / "run"), *argv])
+    assert code == 2
+    assert needle in capsys.readouterr().err

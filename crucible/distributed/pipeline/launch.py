@@ -37,7 +37,7 @@ import torch
 import zmq
 
 from crucible.config import Config, ConfigError
-from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox
+from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox, Shaping
 from crucible.distributed.pipeline.stage import check_pipeline, died_in_round, stage_dir
 from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
@@ -98,7 +98,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
                     plan: FaultPlan | None = None, micro_batches: int = 1,
                     restarts: int = DEFAULT_RESTARTS, link_timeout_s: float = 120.0,
-                    host: str = "127.0.0.1") -> dict[str, Any]:
+                    host: str = "127.0.0.1", shaping: Shaping | None = None) -> dict[str, Any]:
     """Run `config` with one process per stage-replica; returns the merged summary (also in
     `out_dir/summary.json`). A stage-replica killed by a signal is restarted while it has
     lives (one per planned failure, plus `restarts`); every process is told of an unplanned
@@ -131,7 +131,9 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
     write_json_atomic(out / "run.json", {
         "mode": "pipeline", "run_key": run_key, "store_url": store_url,
         "config": config.to_dict(), "plan": plan.to_list(), "addresses": addresses,
-        "micro_batches": micro_batches, "link_timeout_s": link_timeout_s, "lives": lives})
+        "micro_batches": micro_batches, "link_timeout_s": link_timeout_s, "lives": lives,
+        "shaping": {"mbps": (shaping or Shaping()).mbps,
+                    "latency_ms": (shaping or Shaping()).latency_ms}})
     started = time.time()
     procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
     used = {key: 1 for key in [(r, s) for r in range(R) for s in range(S)]}
@@ -178,7 +180,11 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
         notices.close()
         context.term()
     wall_s = time.time() - started
-    return merge_pipeline(out, config, wall_s=wall_s, lives_used=used, lost=list(lost.values()))
+    summary = merge_pipeline(out, config, wall_s=wall_s, lives_used=used,
+                             lost=list(lost.values()))
+    summary["pipeline"]["shaping"] = (shaping or Shaping()).to_dict()
+    write_json_atomic(out / "summary.json", summary)
+    return summary
 
 
 def _planned_death(out: Path, replica: int, stage: int, *, life: int) -> bool:

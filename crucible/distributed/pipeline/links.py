@@ -32,7 +32,7 @@ import torch
 import zmq
 
 __all__ = ["KINDS", "LAUNCHER", "dense", "Expect", "Inbox", "Interrupted", "LinkError",
-           "LinkTimeout", "Outbox", "Received",
+           "LinkTimeout", "Outbox", "Received", "Shaping",
            "ids_dtype", "MAX_HEADER_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -109,21 +109,55 @@ class LinkCounters:
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     send_s: float = 0.0
+    shaped_s: float = 0.0     # of send_s: the time the link's shaping held messages back
     wait_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"sent_bytes": dict(self.sent_bytes), "sent_payload": dict(self.sent_payload),
                 "received_bytes": dict(self.received_bytes),
                 "sent": dict(self.sent), "refused": dict(self.refused),
-                "send_s": self.send_s, "wait_s": self.wait_s}
+                "send_s": self.send_s, "shaped_s": self.shaped_s, "wait_s": self.wait_s}
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """A badly connected link, as a setting: every message between stage processes takes
+    `latency_ms` plus its bytes at `mbps` megabits per second before it is handed to the
+    socket (the sender waits: with one message in flight per link, as fill-drain with one
+    micro-batch has, that is the message's time on the link). `mbps` 0: no limit."""
+    mbps: float = 0.0
+    latency_ms: float = 0.0
+    method: str = "sender rate limiter"
+
+    def __post_init__(self) -> None:
+        from crucible.config import ConfigError
+
+        if not (self.mbps >= 0 and self.mbps == self.mbps):
+            raise ConfigError(f"--link-mbps must be a number of megabits per second >= 0 (0: "
+                              f"no limit), got {self.mbps}")
+        if not (self.latency_ms >= 0 and self.latency_ms == self.latency_ms):
+            raise ConfigError(f"--link-latency-ms must be >= 0, got {self.latency_ms}")
+
+    @property
+    def active(self) -> bool:
+        return self.mbps > 0 or self.latency_ms > 0
+
+    def seconds(self, nbytes: int) -> float:
+        transfer = nbytes * 8 / (self.mbps * 1e6) if self.mbps > 0 else 0.0
+        return self.latency_ms / 1000.0 + transfer
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method if self.active else "none", "mbps": self.mbps,
+                "latency_ms": self.latency_ms}
 
 
 class Outbox:
     """PUSH sockets to the peers, one per address, connected on first use."""
 
     def __init__(self, context: zmq.Context, me: tuple[int, int],
-                 counters: LinkCounters) -> None:
+                 counters: LinkCounters, shaping: Shaping | None = None) -> None:
         self.context, self.me, self.counters = context, me, counters
+        self.shaping = shaping or Shaping()
         self.sockets: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, kind: str, *, g: int, h: int, m: int,
@@ -155,10 +189,13 @@ class Outbox:
         header = json.dumps({"kind": kind, "src": list(self.me), "g": g, "h": h, "m": m,
                              "owner": owner, "v": v, "tensors": meta,
                              **({"control": dict(control)} if control else {})}).encode()
+        payload = sum(memoryview(f).nbytes for f in frames)
         started = time.perf_counter()
+        if self.shaping.active and kind != "ctl":
+            time.sleep(self.shaping.seconds(len(header) + payload))
+            self.counters.shaped_s += time.perf_counter() - started
         sock.send_multipart([header, *frames], copy=True)
         self.counters.send_s += time.perf_counter() - started
-        payload = sum(memoryview(f).nbytes for f in frames)
         size = len(header) + payload
         self.counters.sent_bytes[kind] += size
         self.counters.sent_payload[kind] += payload

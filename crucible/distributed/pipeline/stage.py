@@ -56,6 +56,7 @@ from crucible.distributed.pipeline.links import (
     Interrupted,
     LinkCounters,
     Outbox,
+    Shaping,
     ids_dtype,
 )
 from crucible.distributed.sync import ReplicaSync
@@ -223,7 +224,8 @@ class StageWorker:
                            max_bytes=self._max_message_bytes(), on_control=self._control,
                            expect_for=self._expect_for,
                            max_waiting=8 * self.M * (self.R + self.S) + 64)
-        self.outbox = Outbox(self.context, (replica, stage), self.counters)
+        self.shaping = Shaping(**ident.get("shaping", {}))
+        self.outbox = Outbox(self.context, (replica, stage), self.counters, self.shaping)
         self.tokens = 0
         self.next_step = 0
 
