@@ -66,7 +66,16 @@ def _pipeline(config, out: Path, *, kill_offset: float | None,
         os.kill(pid, signal.SIGKILL)
     thread.join()
     summary = result["summary"]
+    # steady state: the rounds after the first, timed by replica 0's first stage's round records
+    # (process start-up, the first round's wait for every process and the launcher's evaluation
+    # are outside)
+    walls = [json.loads(line)["wall"] for line in
+             (out / "stages" / "r0-s0" / "rounds.jsonl").read_text().splitlines()]
+    round_s = (walls[-1] - walls[0]) / (len(walls) - 1)
+    tokens_per_round = config.replicas * config.sparseloco.inner_steps * \
+        config.train.batch_size * config.model.seq_len
     row: dict[str, Any] = {
+        "round_s": round_s, "steady_tokens_per_s": tokens_per_round / round_s,
         "wall_s": summary["wall_s"], "tokens": summary["tokens_processed"],
         "tokens_per_s": summary["tokens_processed"] / summary["wall_s"],
         "final_val_loss": summary["final_val_loss"],
@@ -80,7 +89,7 @@ def _pipeline(config, out: Path, *, kill_offset: float | None,
         stages = summary["pipeline"]["stages"]
         row.update(notice_s=notice["wall"] - killed_at, restart_s=wall["restart"] - killed_at,
                    rejoin_s=wall["rejoin"] - killed_at,
-                   retried_steps=sum(s["retried_steps"] for s in stages if s["replica"] == 0),
+                   retried_steps=max(s["retried_steps"] for s in stages if s["replica"] == 0),
                    dropped_steps=max(s["dropped_steps"] for s in stages if s["replica"] == 0))
     return row
 
@@ -102,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         sim = train(config, out_dir=args.out / f"sim-{arm}", plan=FaultPlan())
         sim_wall = time.perf_counter() - started
+        sim_round_s = (sim["timing"]["inner_s"] + sim["timing"]["sync_s"]) / args.steps
         row = _pipeline(config, args.out / f"pipe-{arm}", kill_offset=None)
-        row.update(arm=arm, case="no kill", sim_wall_s=sim_wall,
-                   sim_tokens_per_s=sim["tokens_processed"] / sim_wall)
+        row.update(arm=arm, case="no kill", sim_wall_s=sim_wall, sim_round_s=sim_round_s,
+                   sim_tokens_per_s=row["steady_tokens_per_s"] * row["round_s"] / sim_round_s)
         rows.append(row)
     shaped = Shaping(mbps=args.mbps, latency_ms=args.latency_ms)
     for arm in ("none", "ssn"):
@@ -124,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base = rows[0]["tokens_per_s"]
     print(f"commit {commit}; smoke, R = 2, S = 4, {args.steps} global steps")
-    print("| arm | case | tokens/s | vs simulator | vs no kill (none) | act bytes | notice s | "
-          "restart s | rejoin s | retried | dropped |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| arm | case | round s | steady tokens/s | vs simulator | tokens/s (whole run) | "
+          "vs no kill | act bytes | notice s | restart s | rejoin s | retried | dropped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sim = r.get("sim_tokens_per_s")
-        ratio = "" if sim is None else f"{r['tokens_per_s'] / sim:.2f}"
-        print(f"| {r['arm']} | {r['case']} | {r['tokens_per_s']:.0f} | {ratio} | "
+        ratio = "" if sim is None else f"{r['steady_tokens_per_s'] / sim:.2f}"
+        print(f"| {r['arm']} | {r['case']} | {r['round_s']:.2f} | "
+              f"{r['steady_tokens_per_s']:.0f} | {ratio} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s'] / base:.2f} | {r['act_payload']} | "
               f"{r.get('notice_s', float('nan')):.2f} | {r.get('restart_s', float('nan')):.2f} | "
               f"{r.get('rejoin_s', float('nan')):.2f} | {r.get('retried_steps', '')} | "
