@@ -159,7 +159,7 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
                         f"stage {s} of replica {r} failed (exit {proc.returncode}); its log: "
                         f"{stage_dir(out, r, s) / 'stage.log'}")
                 gone = used[key] >= lives[f"{r},{s}"]
-                if not _planned_death(out, r, s, life=used[key] - 1):
+                if gone or not _planned_death(out, r, s, life=used[key] - 1):
                     _notify(out, notices, addresses, r=r, s=s, gone=gone,
                             exit_code=proc.returncode)
                 if gone:
@@ -243,8 +243,13 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
                     for p in (stage_dir(out, r, s) / "global").glob("g*.pt")})
     device = torch.device("cpu")
     evaluator = None
+    missing = []
     for g in steps:
-        stage_weights, same = _stage_weights(out, config, f"global/g{g:06d}.pt")
+        try:
+            stage_weights, same = _stage_weights(out, config, f"global/g{g:06d}.pt")
+        except RuntimeError:   # no live copy of some stage's weights at this step
+            missing.append(g)
+            continue
         agree = agree and same
         evaluator = Evaluator.of_weights(config, stage_weights, device=device)
         loss = evaluator.evaluate()
@@ -284,6 +289,7 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
         "final_val_loss": final["val_loss"] if final else None, "evals": evals,
         "tokens_processed": tokens,
         "pipeline": {"replicas_agree": agree, "links": link, "stages": stages,
+                     "evals_missing": missing,
                      "lost": lost or [],
                      "notices": read_jsonl(out / "notices.jsonl")
                      if (out / "notices.jsonl").exists() else []},

@@ -69,6 +69,19 @@ def ids_dtype(vocab_size: int) -> torch.dtype:
     return torch.int32
 
 
+def _small_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and -2**31 <= x < 2**31
+
+
+def _tensor_meta(meta: object) -> bool:
+    """A header's description of one tensor: a name, a dtype name, and a shape and stride as
+    short lists of small ints."""
+    return (isinstance(meta, dict) and isinstance(meta.get("name"), str)
+            and isinstance(meta.get("dtype"), str)
+            and all(isinstance(meta.get(k), list) and len(meta[k]) <= 8
+                    and all(_small_int(x) for x in meta[k]) for k in ("shape", "stride")))
+
+
 def dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """Whether `stride` lays `shape` out densely with no overlap (some order of the dims)."""
     if any(x < 0 for x in stride) or len(shape) != len(stride):
@@ -159,6 +172,19 @@ class Outbox:
         self.context, self.me, self.counters = context, me, counters
         self.shaping = shaping or Shaping()
         self.sockets: dict[str, zmq.Socket] = {}
+        self.kept: list[tuple[str, list[bytes]]] = []   # this step's messages (`resend`)
+
+    def begin(self) -> None:
+        """A new step (or attempt): forget the messages kept for `resend`."""
+        self.kept.clear()
+
+    def resend(self, address: str) -> int:
+        """Send again what this step sent to `address` (a peer that died after its last
+        round and came back: what it had received died with it); returns how many."""
+        frames = [f for a, f in self.kept if a == address]
+        for message in frames:
+            self.sockets[address].send_multipart(message, copy=True)
+        return len(frames)
 
     def send(self, address: str, kind: str, *, g: int, h: int, m: int,
              tensors: Mapping[str, torch.Tensor], owner: int = -1, v: int = 0,
@@ -196,6 +222,8 @@ class Outbox:
             self.counters.shaped_s += time.perf_counter() - started
         sock.send_multipart([header, *frames], copy=True)
         self.counters.send_s += time.perf_counter() - started
+        if kind != "ctl":
+            self.kept.append((address, [header, *(bytes(f) for f in frames)]))
         size = len(header) + payload
         self.counters.sent_bytes[kind] += size
         self.counters.sent_payload[kind] += payload
@@ -215,17 +243,18 @@ class Inbox:
                  max_bytes: int,
                  on_control: Callable[[dict[str, Any]], None] | None = None,
                  expect_for: Callable[[dict[str, Any]], Mapping[str, Expect] | None] | None = None,
-                 max_waiting: int = 4096) -> None:
+                 max_waiting: int = 4096, on_poll: Callable[[], None] | None = None) -> None:
         """`on_control`: called with a `ctl` message's `control` fields as it arrives (only
         the launcher's are taken). `expect_for`: what a message with this header must hold
         (None: nothing from that sender of that kind is expected), so that every message is
         checked as it arrives, not only when asked for; at most `max_waiting` checked
         messages wait to be asked for (a peer that floods the link is refused)."""
         self.counters, self.max_bytes, self.on_control = counters, max_bytes, on_control
-        self.expect_for, self.max_waiting = expect_for, max_waiting
+        self.expect_for, self.max_waiting, self.on_poll = expect_for, max_waiting, on_poll
         self.socket = context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
+        self.socket.setsockopt(zmq.RCVHWM, 64)    # per peer: what may queue unread
         self.socket.bind(address)
         self.waiting: dict[tuple[str, tuple[int, int], int, int, int, int, int], list[Any]] = {}
 
@@ -249,6 +278,8 @@ class Inbox:
         started = time.perf_counter()
         try:
             while True:
+                if self.on_poll is not None:
+                    self.on_poll()
                 if valid is not None and not valid():
                     raise Interrupted(f"{kind} from {src} for step {g}.{h} no longer awaited")
                 frames = self.waiting.pop(key, None)
@@ -274,10 +305,13 @@ class Inbox:
             return
         if header["kind"] == "ctl":
             if tuple(header["src"]) != LAUNCHER or not isinstance(header.get("control"), dict):
-                self._refuse("ctl", "a control message not from the launcher")
+                self._refuse("ctl", "a control message without the launcher's source")
                 return
             if self.on_control is not None:
-                self.on_control(header["control"])
+                try:
+                    self.on_control(header["control"])
+                except (KeyError, TypeError, ValueError, OverflowError) as exc:
+                    self._refuse("ctl", f"a control message that does not parse: {exc}")
             return
         got = (header["kind"], (int(header["src"][0]), int(header["src"][1])),
                int(header["g"]), int(header["h"]), int(header["m"]), int(header["owner"]),
@@ -308,6 +342,13 @@ class Inbox:
             return None
         return frames[1] if frames[0] is None else self._check(frames, expect)
 
+    def prune(self, g: int) -> int:
+        """Drop the stored messages of rounds before `g` (never asked for now)."""
+        stale = [k for k in self.waiting if k[2] < g]
+        for key in stale:
+            del self.waiting[key]
+        return len(stale)
+
     def forget(self, owner: int, *, g: int, h: int, below: int) -> int:
         """Drop the stored messages of `owner`'s inner step (g, h) made in an attempt before
         `below` (they will never be asked for); returns how many."""
@@ -330,13 +371,14 @@ class Inbox:
             if (not isinstance(header, dict) or header.get("kind") not in KINDS
                     or not isinstance(header.get("tensors"), list)
                     or len(header["tensors"]) != len(frames) - 1
-                    or not all(isinstance(header.get(k), int)
-                               for k in ("g", "h", "m", "owner", "v"))
+                    or not all(_small_int(header.get(k)) for k in ("g", "h", "m", "owner", "v"))
                     or not isinstance(header.get("src"), list) or len(header["src"]) != 2
-                    or not all(isinstance(x, int) for x in header["src"])):
+                    or not all(_small_int(x) for x in header["src"])
+                    or not all(_tensor_meta(t) for t in header["tensors"])
+                    or ("control" in header and not isinstance(header["control"], dict))):
                 raise ValueError("fields missing or of the wrong type")
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._refuse("unknown", f"bad header: {exc}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            self._refuse("unknown", f"bad header: {type(exc).__name__}: {exc}"[:200])
             return None
         return header
 
@@ -354,6 +396,9 @@ class Inbox:
             return None
         for meta, frame in zip(header["tensors"], frames, strict=True):
             want = expect[meta["name"]]
+            if meta.get("dtype") not in _DTYPES:
+                self._refuse(kind, f"{meta['name']}: unknown dtype {meta.get('dtype')!r}"[:200])
+                return None
             if meta.get("dtype") != _NAMES[want.dtype] or tuple(meta.get("shape", ())) != want.shape:
                 self._refuse(kind, f"{meta['name']}: {meta.get('dtype')} {meta.get('shape')}, "
                                    f"expected {_NAMES[want.dtype]} {list(want.shape)}")

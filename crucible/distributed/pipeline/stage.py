@@ -217,13 +217,21 @@ class StageWorker:
         self.context = zmq.Context()
         # unplanned deaths the launcher reported: (replica, stage) -> (round died in, gone)
         self.deaths: dict[tuple[int, int], tuple[int, bool]] = {}
+        self.round = 0                             # the round this process is in
+        self.resend_to: set[str] = set()
+        notices = run_dir / "notices.jsonl"
+        if notices.exists():   # deaths before this life began (a restarted process)
+            from crucible.runfiles import read_jsonl
+            for notice in read_jsonl(notices):
+                self._control(notice)
         self.attempt = 0                   # this inner step's attempt (messages carry it)
         self.retried = 0                   # inner steps run again after a death
         self.dropped = 0                   # inner steps dropped after a death
         self.inbox = Inbox(self.context, self.addresses[f"{replica},{stage}"], self.counters,
                            max_bytes=self._max_message_bytes(), on_control=self._control,
                            expect_for=self._expect_for,
-                           max_waiting=8 * self.M * (self.R + self.S) + 64)
+                           max_waiting=8 * self.M * (self.R + self.S) + 64,
+                           on_poll=self._resend)
         self.shaping = Shaping(**ident.get("shaping", {}))
         self.outbox = Outbox(self.context, (replica, stage), self.counters, self.shaping)
         self.tokens = 0
@@ -293,8 +301,21 @@ class StageWorker:
         if not (0 <= q < self.R and 0 <= t < self.S) or (q, t) == (self.r, self.s):
             return
         self.deaths[(q, t)] = (d, gone)
+        if d < self.round and not gone:
+            # it died after its last round and is back in this one: what this process sent
+            # it in this step died with it, so it goes again to its next life
+            self.resend_to.add(self.addresses[f"{q},{t}"])
         log.info("r%d s%d: stage %d of replica %d died in global step %d%s", self.r, self.s, t,
                  q, d, " for good" if gone else "")
+
+    def _resend(self) -> None:
+        for address in sorted(self.resend_to):
+            if address in self.outbox.sockets:
+                count = self.outbox.resend(address)
+                if count:
+                    log.info("r%d s%d: sent %d messages again to %s", self.r, self.s, count,
+                             address)
+        self.resend_to.clear()
 
     def _dead_now(self, g: int) -> set[tuple[int, int]]:
         """The stage-replicas that are down in round g by an unplanned death: in the round
@@ -422,8 +443,14 @@ class StageWorker:
         through = next((g for g in range(rejoin - 1, -1, -1) if bool(
             plan_step(self.plan, g, config=self.config).contributes[:, self.s].any())), -1)
         self.next_step = self.sync.catch_up(through=through, timeout_s=self.timeout_s + 60.0)
-        if self.next_step != rejoin:
-            log.warning("r%d s%d: caught up to step %d, planned rejoin %d", self.r, self.s,
+        if self.next_step <= through:   # (rounds after `through` changed nothing of it)
+            raise RuntimeError(
+                f"stage {self.s} of replica {self.r}: its peers had not agreed global step "
+                f"{through} within {self.timeout_s + 60.0:.0f} s, so this life cannot restore "
+                f"the weights it rejoins with at step {rejoin}; it stops rather than train on "
+                "stale weights")
+        if self.next_step > rejoin:
+            log.warning("r%d s%d: caught up to step %d, past the rejoin step %d", self.r, self.s,
                         self.next_step, rejoin)
         self.next_step = rejoin
         for g in range(through + 1, rejoin + 1):   # rounds that changed nothing of the stage:
@@ -440,6 +467,8 @@ class StageWorker:
         if self.next_step == 0 and self._evaluates(0):
             self._save_global(0)
         for g in range(self.next_step, steps):
+            self.round = g
+            self.inbox.prune(g)
             step = plan_step(self.plan, g, config=self.config)
             if self._killed_at(g):
                 self.journal.record("kill", g, stage=self.s, planned=True, rejoin=True)
@@ -514,6 +543,8 @@ class StageWorker:
                        total_steps=self.config.train.global_steps * self.H)
             self.attempt = 0
             while True:
+                self.outbox.begin()
+                self.inbox.drain()               # deaths reported so far take effect
                 step = self._effective(g)
                 if not self._owners(step):        # dropped (or nothing to run) from here on
                     if bool(step.loss_weight[self.r] == 0):
@@ -559,7 +590,7 @@ class StageWorker:
             v = self.attempt if owner == self.r else 0
 
             def valid() -> bool:   # nothing in the chains it runs died since the attempt began
-                return self._chain_dead(g, step) == dead
+                return self._chain_dead(g, step) == dead and not self._abort_waiting(g, h)
 
             for m in range(self.M):
                 params = self._params_used(step)
@@ -661,6 +692,18 @@ class StageWorker:
         for p in self.params.values():
             if p.grad is not None:
                 p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
+
+    def _abort_waiting(self, g: int, h: int) -> bool:
+        """On the first stage: whether a stage of its replica already said it cannot finish
+        this attempt (norms of -1), so waiting for anything else in it is pointless."""
+        if self.s != 0:
+            return False
+        for key, entry in self.inbox.waiting.items():
+            if (key[0] == "norms" and key[1][0] == self.r and key[2:4] == (g, h)
+                    and key[6] == self.attempt and entry[0] is None
+                    and bool((entry[1].tensors["norms"] < 0).any())):
+                return True
+        return False
 
     def _verdict_expect(self) -> dict[str, Expect]:
         return {"coef": Expect(torch.float32, (1,)), "dead": Expect(torch.uint8, (self.S,))}
@@ -810,10 +853,30 @@ def died_in_round(folder: Path) -> int:
     from crucible.runfiles import read_jsonl
 
     rounds = read_jsonl(folder / "rounds.jsonl") if (folder / "rounds.jsonl").exists() else []
-    return int(rounds[-1]["global_step"]) + 1 if rounds else 0
+    journal = read_jsonl(folder / "process.jsonl") if (folder / "process.jsonl").exists() else []
+    after = int(rounds[-1]["global_step"]) + 1 if rounds else 0
+    # a life that rejoined at step j and died before finishing it died in j
+    rejoined = [int(r["global_step"]) for r in journal if r.get("kind") == "rejoin"]
+    return max([after, *rejoined])
+
+
+def _die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG): a killed
+    launcher leaves no stage training on, orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot ask to die with the launcher (%s)", exc)
+        return
+    if os.getppid() == 1:   # the launcher died before the request took effect
+        os._exit(1)
 
 
 def run_stage(run_dir: Path, replica: int, stage: int) -> dict[str, Any]:
+    _die_with_launcher()
     torch.set_num_threads(int(os.environ.get("CRUCIBLE_TORCH_THREADS", "1")))
     worker = StageWorker(run_dir, replica, stage)
     try:
