@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from crucible.config import Config
+from crucible.events import Event
 from crucible.faults import FaultPlan
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["StepPlan", "plan_step", "fault_events"]
 
 
 @dataclass
@@ -92,3 +93,27 @@ def _reroute(down: torch.Tensor, *, R: int, S: int) -> StepPlan:
             route[s] = index
     return StepPlan(down=down, bypass=bypass, active=~down, loss_weight=torch.ones(R),
                     route=route, donors=donors, extra_load=extra)
+
+
+def fault_events(plan: FaultPlan, global_step: int, step: StepPlan, *, strategy: str,
+                 replicas: list[int]) -> list[Event]:
+    """The fault events of one global step for the replicas in `replicas` (the step plan's rows,
+    in order): a `failure_start` for each failure that begins, and for each down stage-replica
+    one event saying what was done about it (`reroute` with its donor, `bypass` or `drop`).
+    The simulator's trainer and the pipeline mode's merge report the same events."""
+    out = []
+    for failure in plan.starting(global_step):
+        if failure.replica in replicas:
+            out.append(Event("failure_start", global_step, replica=failure.replica,
+                             stage=failure.stage,
+                             detail={"duration": failure.duration, "strategy": strategy}))
+    for row, stage in step.down_pairs():
+        donor = step.donors.get((row, stage))
+        if donor is not None:
+            kind, detail = "reroute", {"strategy": strategy, "donor": donor}
+        elif bool(step.bypass[row, stage]):
+            kind, detail = "bypass", {"strategy": strategy}
+        else:
+            kind, detail = "drop", {"strategy": strategy}
+        out.append(Event(kind, global_step, replica=replicas[row], stage=stage, detail=detail))
+    return out

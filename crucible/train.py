@@ -41,7 +41,7 @@ from crucible.pipeline import ReplicatedPipeline, resolve_device
 from crucible.presets import tokens_per_global_step
 from crucible.progress import RunProgress
 from crucible.store import Store, open_store
-from crucible.strategy import StepPlan, plan_step
+from crucible.strategy import StepPlan, fault_events, plan_step
 from crucible.summary import RunCounters, write_json_atomic
 from crucible.sync import OuterSync, StageSyncResult
 
@@ -278,24 +278,9 @@ class Trainer:
                                       detail={"reset": reset, "down_steps": failure.duration}))
 
     def _report_faults(self, g: int, step: StepPlan) -> None:
-        strategy = self.config.faults.strategy
-        for failure in self.plan.starting(g):
-            if failure.replica in self.replica_ids:
-                self.callback.event(Event("failure_start", g, replica=failure.replica,
-                                          stage=failure.stage, detail={
-                                              "duration": failure.duration,
-                                              "strategy": strategy}))
-        for row, stage in step.down_pairs():
-            # one event per down stage-replica saying what was done about it at this step
-            donor = step.donors.get((row, stage))
-            if donor is not None:
-                kind, detail = "reroute", {"strategy": strategy, "donor": donor}
-            elif bool(step.bypass[row, stage]):
-                kind, detail = "bypass", {"strategy": strategy}
-            else:
-                kind, detail = "drop", {"strategy": strategy}
-            self.callback.event(Event(kind, g, replica=self.replica_ids[row], stage=stage,
-                                      detail=detail))
+        for event in fault_events(self.plan, g, step, strategy=self.config.faults.strategy,
+                                  replicas=self.replica_ids):
+            self.callback.event(event)
 
     # -- inner steps -----------------------------------------------------------------------------
     def _inner_steps(self, g: int, step: StepPlan) -> dict[int, float]:

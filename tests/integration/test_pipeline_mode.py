@@ -55,7 +55,16 @@ def _agree(arm: str, strategy: str | None, tmp_path: Path) -> dict:
     differ = [(s, n) for s in range(len(a)) for n in a[s] if not torch.equal(a[s][n], b[s][n])]
     assert not differ, differ
     assert pipe["pipeline"]["links"]["refused"] == 0
+    # the fault events the registry gets are the simulator's, one for one
+    faults = {"failure_start", "bypass", "drop", "reroute"}
+    assert _events(tmp_path / "pipe", faults) == _events(tmp_path / "sim", faults)
     return pipe
+
+
+def _events(folder: Path, kinds: set[str]) -> list[tuple]:
+    rows = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    return sorted((e["kind"], e["global_step"], e["replica"], e["stage"]) for e in rows
+                  if e["kind"] in kinds)
 
 
 def _lives(pipe: dict) -> dict[tuple[int, int], int]:
@@ -77,6 +86,12 @@ def test_planned_stage_failures_are_real_kills_and_end_on_the_simulators_bits(
                (tmp_path / "pipe" / "stages" / "r0-s1" / "process.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["global_step"]) for r in journal][:4] == [
         ("start", 0), ("kill", 1), ("restart", 1), ("rejoin", 3)]
+    process = _events(tmp_path / "pipe", {"process_killed", "process_restarted",
+                                          "process_rejoined"})
+    assert [e for e in process if e[2:] == (0, 1)] == [
+        ("process_killed", 1, 0, 1), ("process_rejoined", 3, 0, 1),
+        ("process_restarted", 1, 0, 1)]
+    assert len(process) == 3 * 3                       # three kills, each restarted, rejoined
 
 
 def test_the_boundary_bytes_shrink_by_the_compression_factor(tmp_path: Path) -> None:
@@ -178,6 +193,13 @@ def _check_recovered(summary: dict, tmp_path: Path, replica: int, stage: int) ->
     assert kinds == [("start", None), ("kill", False), ("restart", None), ("rejoin", None)]
     rejoin = _journal(tmp_path, replica, stage)[-1]["global_step"]
     assert rejoin == notice["round"] + 1               # back at the next round boundary
+    events = [json.loads(line) for line in
+              (tmp_path / "pipe" / "events.jsonl").read_text().splitlines()]
+    killed = [e for e in events if e["kind"] == "process_killed"]
+    assert [(e["global_step"], e["replica"], e["stage"], e["detail"]["planned"])
+            for e in killed] == [(notice["round"], replica, stage, False)]
+    (rejoined,) = [e for e in events if e["kind"] == "process_rejoined"]
+    assert 0 < rejoined["detail"]["seconds_after_kill"] < 60
     # it went on learning: the final loss is below the initial one
     assert summary["final_val_loss"] < summary["initial_val_loss"]
 

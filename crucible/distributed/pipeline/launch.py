@@ -230,6 +230,84 @@ def _stage_weights(out: Path, config: Config, name: str) -> tuple[list[dict[str,
     return merged, agree
 
 
+def _write_records(out: Path, config: Config, evals: list[dict[str, Any]],
+                   rounds: list[dict[str, Any]], notices: list[dict[str, Any]],
+                   lost: list[dict[str, Any]]) -> None:
+    """The run's `metrics.jsonl` and `events.jsonl`, as a simulated run's (what the registry
+    ingests): validation losses, each replica's training loss per round (its last stage's),
+    the plan's fault events (`strategy.fault_events`, as the simulator reports them), each
+    unplanned death's bypass or drop, and the processes' real kills, restarts and rejoins with
+    their wall-clock seconds after the kill."""
+    from crucible.events import Event, JsonlCallback, Metric
+    from crucible.strategy import fault_events, plan_step
+
+    ident = json.loads((out / "run.json").read_text())
+    plan = FaultPlan.from_list(ident["plan"])
+    R, S = config.replicas, config.pipeline.stages
+    for name in ("metrics.jsonl", "events.jsonl"):   # written whole by each merge
+        (out / name).unlink(missing_ok=True)
+    sink = JsonlCallback(out)
+    try:
+        for e in evals:
+            sink.metric(Metric("val_loss", e["global_step"], e["val_loss"]))
+        for row in rounds:
+            if row["stage"] == S - 1 and row.get("train_loss") is not None:
+                sink.metric(Metric("train_loss", row["global_step"], row["train_loss"],
+                                   replica=row["replica"]))
+        strategy = config.faults.strategy
+        for g in range(config.train.global_steps):
+            for event in fault_events(plan, g, plan_step(plan, g, config=config),
+                                      strategy=strategy, replicas=list(range(R))):
+                sink.event(event)
+        for n in notices:
+            r, s, d = int(n["replica"]), int(n["stage"]), int(n["round"])
+            kind = "bypass" if strategy == "skip" and 0 < s < S - 1 else "drop"
+            sink.event(Event(kind, d, replica=r, stage=s,
+                             detail={"strategy": strategy, "unplanned": True}))
+        for r in range(R):
+            for s in range(S):
+                for event in _process_events(out, r, s, notices):
+                    sink.event(event)
+        for row in lost:
+            sink.event(Event("process_lost", config.train.global_steps - 1,
+                             replica=row["replica"], stage=row["stage"],
+                             detail={"lives": row["lives"], "exit": row["exit"]}))
+    finally:
+        sink.close()
+
+
+def _process_events(out: Path, r: int, s: int, notices: list[dict[str, Any]]) -> list[Any]:
+    """A stage-replica's real kills, restarts and rejoins from its journal: each `kill` (its
+    wall-clock: the planned kill's own record, or the launcher's notice of an unplanned one)
+    with the `restart` and `rejoin` after it."""
+    from crucible.events import Event
+
+    path = stage_dir(out, r, s) / "process.jsonl"
+    records = read_jsonl(path) if path.exists() else []
+    events = []
+    for i, rec in enumerate(records):
+        if rec.get("kind") != "kill":
+            continue
+        g = int(rec["global_step"])
+        wall = rec["wall"]
+        if not rec.get("planned"):
+            seen = [n["wall"] for n in notices
+                    if (n["replica"], n["stage"], n["round"]) == (r, s, g)]
+            wall = seen[0] if seen else wall
+        events.append(Event("process_killed", g, replica=r, stage=s,
+                            detail={"killed_at_step": g, "planned": bool(rec.get("planned"))}))
+        for later in records[i + 1:]:
+            if later.get("kind") == "kill":
+                break
+            kind = {"restart": "process_restarted", "rejoin": "process_rejoined"}.get(
+                later.get("kind"))
+            if kind is not None:
+                events.append(Event(kind, int(later["global_step"]), replica=r, stage=s,
+                                    detail={"killed_at_step": g, "seconds_after_kill":
+                                            round(float(later["wall"]) - float(wall), 3)}))
+    return events
+
+
 def merge_pipeline(out: Path, config: Config, *, wall_s: float,
                    lives_used: dict[tuple[int, int], int],
                    lost: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -278,6 +356,8 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
                            "retried_steps": summary.get("retried_steps", 0),
                            "dropped_steps": summary.get("dropped_steps", 0)})
     rounds.sort(key=lambda x: (x["global_step"], x["replica"], x["stage"]))
+    notices = read_jsonl(out / "notices.jsonl") if (out / "notices.jsonl").exists() else []
+    _write_records(out, config, evals, rounds, notices, lost or [])
     with open(out / "rounds.jsonl", "w") as fh:
         for row in rounds:
             fh.write(json.dumps(row) + "\n")
@@ -289,10 +369,7 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
         "final_val_loss": final["val_loss"] if final else None, "evals": evals,
         "tokens_processed": tokens,
         "pipeline": {"replicas_agree": agree, "links": link, "stages": stages,
-                     "evals_missing": missing,
-                     "lost": lost or [],
-                     "notices": read_jsonl(out / "notices.jsonl")
-                     if (out / "notices.jsonl").exists() else []},
+                     "evals_missing": missing, "lost": lost or [], "notices": notices},
     }
     write_json_atomic(out / "summary.json", result)
     return result
