@@ -64,16 +64,25 @@ def parse_kills(kills: list[str], *, rejoin: bool) -> list[dict[str, Any]]:
 
 def resolve_distributed_config(preset: str, overrides: list[str], nproc: int,
                                kills: list[dict[str, Any]], store_url: str | None,
-                               s3_endpoint_url: str | None) -> Config:
+                               s3_endpoint_url: str | None, *, pipeline: bool = False) -> Config:
     """The run's config with `replicas = nproc`; raises ConfigError for what the distributed mode
-    refuses (a strategy, method or setting it cannot run, a kill outside the run)."""
+    (or with `pipeline`, the pipeline mode) refuses (a strategy, method or setting it cannot
+    run, a kill outside the run; the pipeline mode's kills are the fault plan's)."""
     from crucible.distributed.launch import check_kills
+    from crucible.distributed.pipeline.stage import check_pipeline
     from crucible.distributed.worker import check_distributed
 
     if nproc < 1:
         raise ConfigError(f"nproc must be >= 1 (one process per replica), got {nproc}")
     config = resolve_config(preset, [*overrides, f"replicas={nproc}"], store_url,
                             s3_endpoint_url)
+    if pipeline:
+        check_pipeline(config)
+        if kills:
+            raise ConfigError("kills and kills_forever kill whole replicas; with pipeline=true "
+                              "the fault plan's stage failures are the kills (set faults.p and "
+                              "faults.strategy)")
+        return config
     check_distributed(config)
     check_kills(kills, config)
     return config
@@ -90,15 +99,21 @@ def _launch_folder(run_dir: Path) -> Path:
 @task(name="launch-distributed", cache_policy=NO_CACHE)
 def launch_task(config: Config, run_id: str, out_dir: Path, kills: list[dict[str, Any]],
                 settings: FlowSettings, *, restarts: int = DEFAULT_RESTARTS,
-                lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
-    """Hold a GPU slot, mark the run running, launch the replicas; returns the merged summary."""
+                lease_s: float = DEFAULT_LEASE_S, pipeline: bool = False) -> dict[str, Any]:
+    """Hold a GPU slot, mark the run running, launch the replicas (with `pipeline`, a process
+    per stage-replica); returns the merged summary."""
     from crucible.distributed.launch import launch  # torch-heavy: only where it runs
+    from crucible.distributed.pipeline.launch import launch_pipeline
 
     logger = get_run_logger()
     flow_run_id = str(runtime_flow_run.id) if runtime_flow_run.id else None
     with gpu_slot(run=run_id, flow_run_id=flow_run_id, log=logger) as slot:
         with make_client(settings) as client:
             client.update_run(run_id, status="running")
+        if pipeline:
+            logger.info("pipeline run %s: %d x %d stage processes in %s, slot %s", run_id,
+                        config.replicas, config.pipeline.stages, out_dir, slot)
+            return launch_pipeline(config, out_dir=out_dir, restarts=restarts)
         logger.info("distributed run %s: %d replica processes in %s, slot %s, kills %s",
                     run_id, config.replicas, out_dir, slot, kills or "none")
         return launch(config, out_dir=out_dir, kills=kills, restarts=restarts, lease_s=lease_s)
@@ -148,7 +163,7 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
                     kills: list[str] | None = None, kills_forever: list[str] | None = None,
                     store_url: str | None = None, sweep_id: str | None = None,
                     run_id: str | None = None, restarts: int = DEFAULT_RESTARTS,
-                    lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
+                    lease_s: float = DEFAULT_LEASE_S, pipeline: bool = False) -> dict[str, Any]:
     """Run `preset` with `overrides` in distributed mode, one process per replica (`nproc`
     replicas), on this worker host, and record it in the registry.
 
@@ -161,7 +176,9 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
     CRUCIBLE_STORE_URL, else a folder in the run folder). Returns {run_id, status,
     owed_records, final_val_loss, reason, out_dir, contributions, recoveries, lost}; a replica
     that never came back is in `lost` (the run completes without it); raises (the flow run
-    fails) when no replica finished.
+    fails) when no replica finished. `pipeline`: one process per stage of every replica
+    (`crucible launch --pipeline`): the fault plan's stage failures are real kills, and
+    `recoveries` and `lost` name stage-replicas.
     """
     if run_id is not None:
         validate_id(run_id, field="run_id")
@@ -172,19 +189,19 @@ def distributed_run(preset: str = "smoke", overrides: list[str] | None = None, n
     with flow_process(settings.work_dir, flow_run_id, "distributed-run"):
         return _distributed_run(settings, preset, overrides or [], nproc, kills or [],
                                 kills_forever or [], store_url, sweep_id, run_id, restarts,
-                                lease_s)
+                                lease_s, pipeline)
 
 
 def _distributed_run(settings: FlowSettings, preset: str, overrides: list[str], nproc: int,
                      kills: list[str], kills_forever: list[str], store_url: str | None,
                      sweep_id: str | None, run_id: str | None, restarts: int,
-                     lease_s: float) -> dict[str, Any]:
+                     lease_s: float, pipeline: bool = False) -> dict[str, Any]:
     planned = (parse_kills(kills, rejoin=True)
                + parse_kills(kills_forever, rejoin=False))
     check_recovery(restarts=restarts, lease_s=lease_s)
     config = resolve_distributed_config(preset, overrides, nproc, planned,
                                         store_url or settings.store_url,
-                                        settings.s3_endpoint_url)
+                                        settings.s3_endpoint_url, pipeline=pipeline)
     drain_spools(settings)
     run_id = validate_id(register_run(config, sweep_id, run_id, settings), field="run_id")
     post_run_link(settings, run_id, "This distributed run's dashboard page, served by the "
@@ -192,7 +209,7 @@ def _distributed_run(settings: FlowSettings, preset: str, overrides: list[str], 
     out_dir = _launch_folder(settings.work_dir.resolve() / "runs" / run_id)
     try:
         summary = launch_task(config, run_id, out_dir, planned, settings, restarts=restarts,
-                              lease_s=lease_s)
+                              lease_s=lease_s, pipeline=pipeline)
         report_records(run_id, out_dir, settings)
     except Exception as exc:
         reason = describe(exc)
@@ -202,11 +219,17 @@ def _distributed_run(settings: FlowSettings, preset: str, overrides: list[str], 
         except ApiUnavailable as owed:
             get_run_logger().warning("%s", owed)
         raise
+    if pipeline:
+        part = summary["pipeline"]
+        recoveries = [{"replica": x["replica"], "stage": x["stage"], "lives": x["lives"]}
+                      for x in part["stages"] if x["lives"] > 1]
+        lost = part["lost"]
+    else:
+        recoveries, lost = summary["distributed"]["recoveries"], summary["distributed"]["lost"]
     result = {"run_id": run_id, "out_dir": str(out_dir),
               "final_val_loss": summary.get("final_val_loss"),
               "contributions": summary.get("contributions"),
-              "recoveries": summary["distributed"]["recoveries"],
-              "lost": summary["distributed"]["lost"]}
+              "recoveries": recoveries, "lost": lost}
     try:
         finish_run(run_id, settings, summary=summary)
     except ApiUnavailable as exc:

@@ -53,6 +53,29 @@ def test_distributed_run_is_registered_killed_rejoined_and_finished(
                              for m in _jsonl(out / "metrics.jsonl"))
 
 
+@pytest.mark.slow
+def test_a_pipeline_run_is_registered_with_its_real_stage_kills(
+        prefect_harness: None, flow_client: ApiClient) -> None:
+    """pipeline=true: a process per stage-replica; the fault plan's stage failures are real
+    kills, and their events (with wall-clock seconds) reach the registry like a simulated run's."""
+    overrides = [*STEPS, "faults.p=0.3", "faults.strategy=skip"]
+    state = distributed_run(preset="smoke", overrides=overrides, nproc=2, pipeline=True,
+                            return_state=True)
+    result = state.result()
+    out = Path(result["out_dir"])
+    merged = json.loads((out / "summary.json").read_text())
+    run = flow_client.get_run(result["run_id"])
+    assert result["status"] == "completed" and run["status"] == "completed"
+    assert run["final_val_loss"] == merged["final_val_loss"] == result["final_val_loss"]
+    assert run["summary"]["pipeline"]["replicas_agree"]
+    assert result["recoveries"] and not result["lost"]
+    events = flow_client.list_events(result["run_id"])
+    assert {e["id"] for e in events} == {e["id"] for e in _jsonl(out / "events.jsonl")}
+    kinds = {e["kind"] for e in events}
+    assert {"failure_start", "bypass", "process_killed", "process_restarted",
+            "process_rejoined"} <= kinds
+
+
 def test_refused_configs_fail_before_anything_is_registered(prefect_harness: None,
                                                             flow_client: ApiClient) -> None:
     before = len(flow_client.list_runs())
@@ -61,7 +84,10 @@ def test_refused_configs_fail_before_anything_is_registered(prefect_harness: Non
              ({"kills": ["2@1"]}, "--kill 2@1: replica must be in 0..1"),
              ({"overrides": ["faults.strategy=reroute", "faults.p=0.1"]},
               "faults.strategy=reroute is not supported in distributed mode"),
-             ({"restarts": -1}, "restarts (--restarts) must be a whole number >= 0")]
+             ({"restarts": -1}, "restarts (--restarts) must be a whole number >= 0"),
+             ({"pipeline": True, "kills": ["1@1"]}, "with pipeline=true the fault plan"),
+             ({"pipeline": True, "overrides": ["sparseloco.method=diloco"]},
+              "sparseloco.method=diloco is not supported in the pipeline mode")]
     for params, message in cases:
         state = distributed_run(preset="smoke", **{"nproc": 2, **params}, return_state=True)
         assert state.is_failed()
