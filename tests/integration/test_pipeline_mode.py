@@ -94,6 +94,7 @@ def test_planned_stage_failures_are_real_kills_and_end_on_the_simulators_bits(
     assert len(process) == 3 * 3                       # three kills, each restarted, rejoined
 
 
+@pytest.mark.slow
 def test_the_boundary_bytes_shrink_by_the_compression_factor(tmp_path: Path) -> None:
     payload, total = {}, {}
     for arm in ("none", "ssn"):
