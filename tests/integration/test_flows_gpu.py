@@ -57,13 +57,20 @@ def test_holders_never_exceed_the_slots(prefect_harness: None) -> None:
     name = "gpu:busy-host"
     ensure_gpu_limit(name, slots=2)
     active, peak, lock = [0], [0], threading.Lock()
+    both = threading.Event()   # two holders at once: the two slots were granted together
 
     def hold() -> None:
         with gpu_slot(name, timeout_s=60):
             with lock:
                 active[0] += 1
                 peak[0] = max(peak[0], active[0])
-            time.sleep(0.4)
+                if active[0] == 2:
+                    both.set()
+            # hold until a second holder is in (or long enough that a second slot, if it is
+            # granted at all, is granted meanwhile): a loaded host's slower grant must not let
+            # the first release before the second is granted
+            both.wait(timeout=10)
+            time.sleep(0.2)
             with lock:
                 active[0] -= 1
 
