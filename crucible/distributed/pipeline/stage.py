@@ -694,14 +694,17 @@ class StageWorker:
                 p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
 
     def _abort_waiting(self, g: int, h: int) -> bool:
-        """On the first stage: whether a stage of its replica already said it cannot finish
-        this attempt (norms of -1), so waiting for anything else in it is pointless."""
-        if self.s != 0:
-            return False
+        """Whether this attempt is over already, so waiting for anything else in it is
+        pointless: on the first stage, a stage of its replica said it cannot finish it (norms
+        of -1); on any other, the first stage's retry verdict for it has arrived."""
         for key, entry in self.inbox.waiting.items():
-            if (key[0] == "norms" and key[1][0] == self.r and key[2:4] == (g, h)
-                    and key[6] == self.attempt and entry[0] is None
-                    and bool((entry[1].tensors["norms"] < 0).any())):
+            if (key[1][0] != self.r or key[2:4] != (g, h) or key[6] != self.attempt
+                    or entry[0] is not None):
+                continue
+            if self.s == 0 and key[0] == "norms" and bool(
+                    (entry[1].tensors["norms"] < 0).any()):
+                return True
+            if self.s != 0 and key[0] == "clip" and float(entry[1].tensors["coef"][0]) < 0:
                 return True
         return False
 
@@ -802,6 +805,10 @@ class StageWorker:
         if bool(self._effective(g).loss_weight[self.r] == 0):
             return False                     # the replica drops: nobody waits for a verdict
         if self.s == 0:
+            # a peer's abort may come before the launcher's notice of the death behind it:
+            # let the notice land, so that the retry names the dead stage
+            time.sleep(GRACE_S)
+            self.inbox.drain()
             live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
             self._send_verdict(g, h, live, None)
             return False
