@@ -227,7 +227,10 @@ class StageWorker:
         self.attempt = 0                   # this inner step's attempt (messages carry it)
         self.retried = 0                   # inner steps run again after a death
         self.dropped = 0                   # inner steps dropped after a death
-        self.inbox = Inbox(self.context, self.addresses[f"{replica},{stage}"], self.counters,
+        # the inbox binds where its peers reach it, unless the run names another address
+        # (a Kubernetes pod binds 0.0.0.0 and is reached by its DNS name: infra/k8s)
+        bind = ident.get("binds", {}).get(f"{replica},{stage}") or self._address(replica, stage)
+        self.inbox = Inbox(self.context, bind, self.counters,
                            max_bytes=self._max_message_bytes(), on_control=self._control,
                            expect_for=self._expect_for,
                            max_waiting=8 * self.M * (self.R + self.S) + 64,
