@@ -9,7 +9,8 @@ seeds, plus one p = 0 baseline per arm and seed. A plain sweep gives its one blo
 It is what the Prefect UI's "Run" form of the `failure-sweep` deployment shows, so every field
 has a description and a sensible default, and the enum-like fields (`preset`, `arms`,
 `strategies`) are `Literal`s so the form shows dropdowns (over 500 lines for that reason: the
-descriptions and validators of some 30 fields are the form's help). Validation errors name the field and
+descriptions and validators of some 30 fields are the form's help). Each field's schema carries
+its `position`, the order the form shows it in on any Prefect backend. Validation errors name the field and
 the fix. `crucible study` reads the same model from TOML (`crucible.study.spec.load_spec`),
 with the places its files go (`StudyFiles`).
 
@@ -83,6 +84,15 @@ def _check_choices(values: Any, allowed: tuple[str, ...], what: str) -> Any:
     return values
 
 
+def _form_order(schema: dict[str, Any]) -> None:
+    """Give each property of a model's JSON schema its `position` (0, 1, ... in field order):
+    the Prefect UI's form orders its fields by `position` and the deployment's stored schema
+    loses key order on a Postgres-backed server (JSONB sorts keys), so without it the form's
+    fields come in JSONB's order (arms, grid, name, tags, ...)."""
+    for position, prop in enumerate(schema.get("properties", {}).values()):
+        prop["position"] = position
+
+
 def _dedupe(values: list[Any]) -> list[Any]:
     """Drop repeats, keeping first-seen order (a repeated arm would silently double the grid)."""
     return list(dict.fromkeys(values))
@@ -130,7 +140,8 @@ def _seed_values(value: list[int]) -> list[int]:
 class GridBlock(BaseModel):
     """One block of the grid: every arm x strategy x p > 0, at the spec's seeds (or its own)."""
 
-    model_config = ConfigDict(extra="forbid", title="Grid block", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", title="Grid block", populate_by_name=True,
+                              json_schema_extra=_form_order)
 
     arms: list[Arm] = Field(..., min_length=1,
                             description="Compression arms of this block: none, ssn, mapl.")
@@ -205,7 +216,8 @@ class StudyFiles(BaseModel):
     """Where a study keeps its files (absolute paths; `load_spec` resolves the TOML's, which
     are relative to the spec's folder). Not part of what a spec runs."""
 
-    model_config = ConfigDict(extra="forbid", title="Study files", frozen=True)
+    model_config = ConfigDict(extra="forbid", title="Study files", frozen=True,
+                              json_schema_extra=_form_order)
 
     spec: Path = Field(..., description="The spec file itself.")
     results_dir: Path = Field(..., description="One slim summary per finished cell.")
@@ -236,7 +248,7 @@ class Reference(BaseModel):
     """A published degradation that the claims hold the measured one against (the blog's Table
     1 by default): an arm's degradation under a strategy at a failure rate, in % of the loss."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_form_order)
 
     arm: Arm = Field(description="Compression arm: none, ssn or mapl.")
     strategy: Literal["skip", "drop"] = Field(
@@ -284,7 +296,7 @@ class SweepSpec(BaseModel):
     """A failure-rate sweep or study: every cell of its grid (each arm x strategy x failure
     probability x seed of each block), plus one p = 0 baseline per arm and seed."""
 
-    model_config = ConfigDict(extra="forbid", title="Failure sweep")
+    model_config = ConfigDict(extra="forbid", title="Failure sweep", json_schema_extra=_form_order)
 
     name: str = Field("failure-sweep", min_length=1, max_length=200,
                       description="Name of the sweep in the registry and on the dashboard.")
