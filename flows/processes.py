@@ -21,6 +21,9 @@ server; the record is removed when the flow run ends. Then:
 - `run_folder_lock` is the run folder's exclusive lock (`flock` on `<run folder>/.train.lock`):
   two processes never train one run at once, on one host. A re-run of a sweep while an orphaned
   process of an earlier flow run still trains a cell waits for it, then finds its summary.
+- `training_journal` records each training of a run folder in `<run folder>/trainings.jsonl`: a
+  `start` line before it and an `end` line with its outcome after it (a killed process leaves a
+  start with no end), so how many times a cell was trained, and by which processes, is on disk.
 """
 from __future__ import annotations
 
@@ -36,14 +39,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from crucible.runfiles import write_text_atomic
+from crucible.runfiles import append_jsonl, repair_torn_tail, write_text_atomic
 
 __all__ = ["process_start", "process_alive", "prefect_server", "flow_process", "reconcile",
-           "end_processes", "run_folder_lock", "live_records", "end_prefect_flow_runs"]
+           "end_processes", "run_folder_lock", "live_records", "end_prefect_flow_runs",
+           "training_journal", "TRAININGS_FILE"]
 
 _log = logging.getLogger(__name__)
 
 _OPEN = ("RUNNING", "PENDING", "CANCELLING")
+# each training of a run folder, one JSON line as it starts and one as it ends
+TRAININGS_FILE = "trainings.jsonl"
 
 
 def _records_dir(work_dir: Path) -> Path:
@@ -275,3 +281,23 @@ def run_folder_lock(out_dir: Path, log: Any = None) -> Iterator[bool]:
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()
         yield waited
+
+
+@contextmanager
+def training_journal(out_dir: Path, flow_run_id: str | None) -> Iterator[None]:
+    """Record the training the block does in `<out_dir>/trainings.jsonl`: before it a line
+    `{"event": "start", "pid", "host", "flow_run_id", "at"}` (durable before training begins),
+    after it `{"event": "end", ..., "outcome"}` with "completed" or the exception's type (a
+    failure, a cancellation). A process killed meanwhile leaves the start with no end."""
+    path = out_dir / TRAININGS_FILE
+    repair_torn_tail(path)              # a process killed while writing its line
+    who = {"pid": os.getpid(), "host": socket.gethostname(), "flow_run_id": flow_run_id}
+    append_jsonl(path, {"event": "start", **who, "at": time.time()})
+    outcome = "completed"
+    try:
+        yield
+    except BaseException as exc:
+        outcome = type(exc).__name__
+        raise
+    finally:
+        append_jsonl(path, {"event": "end", **who, "at": time.time(), "outcome": outcome})

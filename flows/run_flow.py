@@ -61,7 +61,7 @@ from crucible.registry.reporting import (
 )
 from flows.errors import SimulatedCrash, is_transient, retry_only_transient
 from flows.gpu import gpu_slot, release_slots
-from flows.processes import flow_process, run_folder_lock
+from flows.processes import flow_process, run_folder_lock, training_journal
 from flows.settings import FlowSettings
 
 __all__ = ["train_run", "resolve_config", "run_store_url", "TRAIN_RETRIES", "post_run_link"]
@@ -256,8 +256,9 @@ def _train_in_slot(config: Config, run_id: str, out_dir: Path, settings: FlowSet
                 check_memory(config, shared=True)
             logger.info("training run %s (%s) in %s, slot %s",
                         run_id, config_fingerprint(config)[:12], out_dir, slot)
-            return train(config, out_dir=out_dir, callback=callback, resume=True,
-                         progress=False, run_key=f"run-{run_id}", alignment=alignment)
+            with training_journal(out_dir, flow_run_id):
+                return train(config, out_dir=out_dir, callback=callback, resume=True,
+                             progress=False, run_key=f"run-{run_id}", alignment=alignment)
     finally:
         callback.close()
 
