@@ -56,19 +56,28 @@ def _records_dir(work_dir: Path) -> Path:
     return work_dir.resolve() / "flow-runs"
 
 
-def process_start(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when
-    there is no such process or no /proc."""
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None when there is no
+    such process or no /proc."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return stat.rsplit(")", 1)[1].split()
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when
+    there is no such process or no /proc."""
+    fields = _stat(pid)
+    return None if fields is None else fields[19]
 
 
 def process_alive(record: dict[str, Any]) -> bool:
     """Whether the process a record names (`pid`, and `started` where known) still runs: its
-    pid exists and started when the record says (a reused pid is another process)."""
+    pid exists, is not a zombie (a process that exited and that its parent has not reaped yet:
+    a flow run orphaned by a killed serve, under an init that reaps late) and started when the
+    record says (a reused pid is another process)."""
     pid = int(record.get("pid") or 0)
     if pid <= 0:
         return False
@@ -78,8 +87,11 @@ def process_alive(record: dict[str, Any]) -> bool:
         return False
     except PermissionError:   # someone else's process: alive
         pass
+    fields = _stat(pid)
+    if fields is not None and fields[0] in ("Z", "X"):
+        return False
     started = record.get("started")
-    return started is None or process_start(pid) in (None, started)
+    return started is None or fields is None or fields[19] == started
 
 
 def prefect_server() -> str:
