@@ -43,7 +43,7 @@ from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
 from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic
 
-__all__ = ["launch_pipeline", "stage_command", "free_ports", "DEFAULT_RESTARTS"]
+__all__ = ["launch_pipeline", "run_identity", "stage_command", "free_ports", "DEFAULT_RESTARTS"]
 
 log = logging.getLogger(__name__)
 DEFAULT_RESTARTS = 3
@@ -95,6 +95,29 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             log.error("stage process %d did not die", proc.pid)
 
 
+def run_identity(config: Config, *, plan: FaultPlan, addresses: dict[str, str], store_url: str,
+                 micro_batches: int, link_timeout_s: float, restarts: int,
+                 shaping: Shaping | None = None, binds: dict[str, str] | None = None,
+                 run_key: str | None = None) -> dict[str, Any]:
+    """The run's `run.json`, which every stage process reads: config, run key, store, the
+    fault plan, each stage-replica's link address (`"r,s"`; `binds`: where it binds instead,
+    when its peers reach it by another name) and lives (one per planned failure of it before
+    the run's end, plus `restarts`)."""
+    R, S = config.replicas, config.pipeline.stages
+    planned = {(f.replica, f.stage): 0 for f in plan.failures}
+    for f in plan.failures:
+        if f.start < config.train.global_steps:
+            planned[(f.replica, f.stage)] += 1
+    lives = {f"{r},{s}": 1 + planned.get((r, s), 0) + restarts for r in range(R)
+             for s in range(S)}
+    shaping = shaping or Shaping()
+    return {"mode": "pipeline", "run_key": run_key or f"run-{uuid.uuid4().hex[:12]}",
+            "store_url": store_url, "config": config.to_dict(), "plan": plan.to_list(),
+            "addresses": addresses, **({"binds": binds} if binds else {}),
+            "micro_batches": micro_batches, "link_timeout_s": link_timeout_s, "lives": lives,
+            "shaping": {"mbps": shaping.mbps, "latency_ms": shaping.latency_ms}}
+
+
 def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
                     plan: FaultPlan | None = None, micro_batches: int = 1,
                     restarts: int = DEFAULT_RESTARTS, link_timeout_s: float = 120.0,
@@ -120,20 +143,12 @@ def launch_pipeline(config: Config, *, out_dir: str | os.PathLike[str],
     ports = free_ports(R * S, host)
     addresses = {f"{r},{s}": f"tcp://{host}:{ports[r * S + s]}" for r in range(R)
                  for s in range(S)}
-    planned = {(f.replica, f.stage): 0 for f in plan.failures}
-    for f in plan.failures:
-        if f.start < config.train.global_steps:
-            planned[(f.replica, f.stage)] += 1
-    lives = {f"{r},{s}": 1 + planned.get((r, s), 0) + restarts for r in range(R)
-             for s in range(S)}
-    run_key = f"run-{uuid.uuid4().hex[:12]}"
-    store_url = config.store.url or (out / "store").as_uri()
-    write_json_atomic(out / "run.json", {
-        "mode": "pipeline", "run_key": run_key, "store_url": store_url,
-        "config": config.to_dict(), "plan": plan.to_list(), "addresses": addresses,
-        "micro_batches": micro_batches, "link_timeout_s": link_timeout_s, "lives": lives,
-        "shaping": {"mbps": (shaping or Shaping()).mbps,
-                    "latency_ms": (shaping or Shaping()).latency_ms}})
+    ident = run_identity(config, plan=plan, addresses=addresses,
+                         store_url=config.store.url or (out / "store").as_uri(),
+                         micro_batches=micro_batches, link_timeout_s=link_timeout_s,
+                         restarts=restarts, shaping=shaping)
+    write_json_atomic(out / "run.json", ident)
+    lives = ident["lives"]
     started = time.time()
     procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
     used = {key: 1 for key in [(r, s) for r in range(R) for s in range(S)]}
