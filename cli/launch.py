@@ -72,24 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pipeline(args: argparse.Namespace, config) -> int:
+def _pipeline(args: argparse.Namespace, config) -> None:
+    """Run the pipeline mode and print its summary's key numbers."""
     from crucible.distributed.pipeline.launch import launch_pipeline
     from crucible.distributed.pipeline.links import Shaping
 
-    try:
-        summary = launch_pipeline(config, out_dir=args.out, micro_batches=args.micro_batches,
-                                  restarts=args.restarts, link_timeout_s=args.link_timeout,
-                                  shaping=Shaping(args.link_mbps, args.link_latency_ms))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: the stage processes were stopped; {args.out} holds a partial run",
-              file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    summary = launch_pipeline(config, out_dir=args.out, micro_batches=args.micro_batches,
+                              restarts=args.restarts, link_timeout_s=args.link_timeout,
+                              shaping=Shaping(args.link_mbps, args.link_latency_ms))
     pipe = summary["pipeline"]
     print(json.dumps({"final_val_loss": summary["final_val_loss"],
                       "tokens_processed": summary["tokens_processed"],
@@ -97,12 +87,26 @@ def _pipeline(args: argparse.Namespace, config) -> int:
                       "link_bytes": pipe["links"]["sent_bytes"],
                       "refused_messages": pipe["links"]["refused"], "out": str(args.out)},
                      indent=2))
-    return 0
+
+
+def _replicas(args: argparse.Namespace, config, kills: list[dict]) -> None:
+    """Run one process per replica and print its summary's key numbers."""
+    from crucible.distributed.launch import launch
+
+    summary = launch(config, out_dir=args.out, kills=kills, restarts=args.restarts,
+                     lease_s=args.lease_s)
+    for row in summary["distributed"]["lost"]:
+        print(f"warning: replica {row['replica']} never came back ({row['reason']}); the run "
+              "completed without it", file=sys.stderr)
+    keys = ("final_val_loss", "global_steps", "tokens_processed", "contributions", "wall_s")
+    print(json.dumps({k: summary[k] for k in keys} | {"out": str(args.out),
+                     "lost": [row["replica"] for row in summary["distributed"]["lost"]]},
+                     indent=2))
 
 
 def launch_main(argv: list[str]) -> int:
     """Parse `argv`, launch, print the summary's key numbers as JSON; returns the exit code."""
-    from crucible.distributed.launch import check_recovery, launch
+    from crucible.distributed.launch import check_recovery
     from crucible.presets import get_preset
 
     args = _parser().parse_args(argv)
@@ -138,21 +142,17 @@ def launch_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None   # a cancel too
-    if args.pipeline:
-        try:
-            return _pipeline(args, config)
-        finally:
-            if main:
-                signal.signal(signal.SIGTERM, previous)
     try:
-        summary = launch(config, out_dir=args.out, kills=kills, restarts=args.restarts,
-                         lease_s=args.lease_s)
+        if args.pipeline:
+            _pipeline(args, config)
+        else:
+            _replicas(args, config, kills)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: the replicas were stopped; {args.out} holds a partial run",
-              file=sys.stderr)
+        stopped = "the stage processes were" if args.pipeline else "the replicas were"
+        print(f"interrupted: {stopped} stopped; {args.out} holds a partial run", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -160,11 +160,4 @@ def launch_main(argv: list[str]) -> int:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    for row in summary["distributed"]["lost"]:
-        print(f"warning: replica {row['replica']} never came back ({row['reason']}); the run "
-              "completed without it", file=sys.stderr)
-    keys = ("final_val_loss", "global_steps", "tokens_processed", "contributions", "wall_s")
-    print(json.dumps({k: summary[k] for k in keys} | {"out": str(args.out),
-                     "lost": [row["replica"] for row in summary["distributed"]["lost"]]},
-                     indent=2))
     return 0
