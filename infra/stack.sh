@@ -44,7 +44,15 @@ as_pg() {  # initdb and postgres refuse to run as root: use the postgres OS user
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
-running() { [ -f "$STACK_DIR/$1.pid" ] && kill -0 "$(cat "$STACK_DIR/$1.pid")" 2>/dev/null; }
+alive() {  # alive PID: the process runs; a zombie (exited, not reaped yet: under an init that
+  # reaps late, a killed serve stays one for a while) does not
+  kill -0 "$1" 2>/dev/null || return 1
+  local state
+  state="$(sed -n 's/^.*) \([A-Za-z]\).*$/\1/p' "/proc/$1/stat" 2>/dev/null || true)"
+  [ "$state" != Z ] && [ "$state" != X ]
+}
+
+running() { [ -f "$STACK_DIR/$1.pid" ] && alive "$(cat "$STACK_DIR/$1.pid")"; }
 
 postgres_running() {
   [ -f "$PGDATA/PG_VERSION" ] && as_pg "$(pg_bin pg_ctl)" -D "$PGDATA" status >/dev/null 2>&1
@@ -214,8 +222,8 @@ stop_one() {  # stop_one NAME SIGNAL SECONDS: signal it, SIGKILL it after SECOND
   if running "$name"; then
     pid="$(cat "$STACK_DIR/$name.pid")"
     kill "-$sig" "$pid" 2>/dev/null || true
-    for i in $(seq 1 $((seconds * 4))); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    if kill -0 "$pid" 2>/dev/null; then
+    for i in $(seq 1 $((seconds * 4))); do alive "$pid" || break; sleep 0.25; done
+    if alive "$pid"; then
       kill -KILL "$pid" 2>/dev/null; echo "killed $name (no exit $seconds s after SIG$sig)"
     else
       echo "stopped $name"

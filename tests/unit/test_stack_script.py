@@ -6,6 +6,7 @@ leaves exactly the state a real start leaves, without Postgres or Prefect."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,24 @@ def test_a_port_that_is_not_a_number_exits_2_naming_it(tmp_path, value):
     assert f"PREFECT_PORT='{value}' is not a port number" in done.stderr \
         or f"PREFECT_PORT={value} is not a port number" in done.stderr
     assert not (tmp_path / "stack" / "ports.env").exists()
+
+
+def test_a_server_that_exited_unreaped_counts_as_stopped(tmp_path):
+    """A killed serve whose parent has not reaped it yet (a zombie: under an init that reaps
+    late) is stopped: `start` starts it again and runs the reconciler, rather than taking the
+    zombie for a running serve."""
+    stack_dir = tmp_path / "stack"
+    _start_saving_ports(stack_dir, tmp_path)
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        proc.kill()
+        stat = Path(f"/proc/{proc.pid}/stat")
+        for _ in range(200):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        (stack_dir / "serve.pid").write_text(f"{proc.pid}\n")
+        status = _stack("status", stack_dir)
+        assert "serve: stopped" in status.stdout, status.stdout
+    finally:
+        proc.wait()
