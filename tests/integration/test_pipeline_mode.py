@@ -235,3 +235,38 @@ def test_a_stage_that_never_returns_is_skipped_for_the_rest_of_the_run(tmp_path:
     rounds = [json.loads(line) for line in
               (tmp_path / "pipe" / "stages" / "r0-s1" / "rounds.jsonl").read_text().splitlines()]
     assert all(2 in r["bypassed"] for r in rounds if r["global_step"] > notice["round"])
+
+
+@pytest.mark.slow
+def test_every_replica_of_a_stage_killed_in_one_round_rejoins(tmp_path: Path) -> None:
+    """Both replicas' stage 1 killed from outside in the same round: nobody trains stage 1 in
+    that round, so nobody agrees it; the restarted lives restore the round before it (a
+    restarted life once waited for that agreement until the link timeout) and the run ends
+    with every stage-replica back, holding the same weights, on the failure schedule the
+    simulator replays."""
+    import threading
+
+    from crucible.distributed.pipeline.chaos import Kill, Killer, realized_plan
+
+    config = _config("none", "drop", steps=8, p=0.0)
+    out = tmp_path / "pipe"
+    result: dict = {}
+    launch = threading.Thread(target=lambda: result.update(summary=launch_pipeline(
+        config, out_dir=out, plan=FaultPlan(), link_timeout_s=40)))
+    launch.start()
+    killer = Killer(out, [Kill(replica=0, stage=1, global_step=3, fraction=0.0),
+                          Kill(replica=1, stage=1, global_step=3, fraction=0.0)],
+                    stages=4, alive=launch.is_alive)
+    killer.start()
+    launch.join()
+    killer.join()
+    assert killer.error is None
+    assert [k["outcome"] for k in killer.done] == ["killed", "killed"], killer.done
+    summary = result["summary"]
+    assert summary["pipeline"]["replicas_agree"] and summary["pipeline"]["lost"] == []
+    plan = realized_plan(out, replicas=2, stages=4, global_steps=8)
+    assert {(f.replica, f.stage) for f in plan.failures} == {(0, 1), (1, 1)}
+    assert len({f.start for f in plan.failures}) == 1, plan.to_list()
+    for r in (0, 1):
+        kinds = [x["kind"] for x in _journal(tmp_path, r, 1)]
+        assert kinds[-3:] == ["kill", "restart", "rejoin"], kinds

@@ -219,11 +219,8 @@ class StageWorker:
         self.deaths: dict[tuple[int, int], tuple[int, bool]] = {}
         self.round = 0                             # the round this process is in
         self.resend_to: set[str] = set()
-        notices = run_dir / "notices.jsonl"
-        if notices.exists():   # deaths before this life began (a restarted process)
-            from crucible.runfiles import read_jsonl
-            for notice in read_jsonl(notices):
-                self._control(notice)
+        self.notices = run_dir / "notices.jsonl"
+        self._read_notices()     # deaths before this life began (a restarted process)
         self.attempt = 0                   # this inner step's attempt (messages carry it)
         self.retried = 0                   # inner steps run again after a death
         self.dropped = 0                   # inner steps dropped after a death
@@ -441,11 +438,7 @@ class StageWorker:
                 self.plan.down_matrix(rejoin, replicas=self.R, stages=self.S)[self.r, self.s]):
             rejoin += 1
         self.journal.record("restart", dead, stage=self.s, rejoin=rejoin)
-        # the last round before the rejoin in which some replica trains this stage: its
-        # agreement (and snapshot) holds the global weights; rounds after it change nothing
-        through = next((g for g in range(rejoin - 1, -1, -1) if bool(
-            plan_step(self.plan, g, config=self.config).contributes[:, self.s].any())), -1)
-        self.next_step = self.sync.catch_up(through=through, timeout_s=self.timeout_s + 60.0)
+        through = self._restore(rejoin, dead)
         if self.next_step <= through:   # (rounds after `through` changed nothing of it)
             raise RuntimeError(
                 f"stage {self.s} of replica {self.r}: its peers had not agreed global step "
@@ -463,6 +456,40 @@ class StageWorker:
             for _ in range(rejoin * self.H):
                 self.data.batch(replica=self.r, batch_size=self.config.train.batch_size)
         self.journal.record("rejoin", rejoin, stage=self.s)
+
+    def _read_notices(self) -> None:
+        """The launcher's notices of unplanned deaths so far (`notices.jsonl`; `_control`)."""
+        if self.notices.exists():
+            from crucible.runfiles import read_jsonl
+            for notice in read_jsonl(self.notices):
+                self._control(notice)
+
+    def _trained_through(self, rejoin: int, dead: int) -> int:
+        """The last round before `rejoin` in which some stage-replica of this stage trained
+        it, by the plan and the unplanned deaths known now (this life's predecessor died in
+        round `dead`): its agreement (and snapshot) holds the global weights, and the rounds
+        after it change nothing of them. A round in which every replica of the stage died
+        or dropped has no agreement at all: nobody made one."""
+        for g in range(rejoin - 1, -1, -1):
+            trained = self._effective(g).contributes[:, self.s].clone()
+            if g == dead:
+                trained[self.r] = False
+            if bool(trained.any()):
+                return g
+        return -1
+
+    def _restore(self, rejoin: int, dead: int) -> int:
+        """Wait until the round this life restores from is agreed, and restore it; returns
+        that round. A peer of this stage may die meanwhile in that round (then it is never
+        agreed): the launcher's notices are read again while waiting."""
+        deadline = time.monotonic() + self.timeout_s + 60.0
+        while True:
+            self._read_notices()
+            through = self._trained_through(rejoin, dead)
+            left = deadline - time.monotonic()
+            self.next_step = self.sync.catch_up(through=through, timeout_s=min(0.5, left))
+            if self.next_step > through or left <= 0:
+                return through
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
