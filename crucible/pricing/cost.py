@@ -31,6 +31,13 @@ of a distributed run (`distributed.kills`). The model, per global step (an outer
   least its own round, and one more for each round that `restart_s + rejoin_s` outlasts; a
   replica killed for good costs the deadline in every round after its kill. Planned failures
   (skip, drop, reroute) cost no wait: their missing contributions are known in advance.
+- Waits for a pipeline stage's real death (`pipeline.deaths`: replica, stage, the global step
+  it died in and how far into that round, `fraction`). The round it died in goes on without
+  it (its replica bypasses or drops it, as the recorded plan says); the stage comes back in
+  the next round, which every replica's chain and the outer round wait for: `restart_s +
+  rejoin_s` after the death, less the rest of the round it died in ((1 - fraction) x the
+  round). A death in the last round costs the same at the run's end (the run ends when every
+  stage process has).
 - Scale. With the deployment's `workload.preset`, the inner step, boundary bytes and
   contribution bytes are that preset's model's (contributions scaled by its parameter count);
   rounds, H, R, S, the codec, the faults and the strategy stay the run's.
@@ -186,6 +193,22 @@ def _kill_waits(kills: Sequence[Mapping[str, Any]], deployment: Deployment, *,
     return absent, waits
 
 
+def _stage_death_waits(pipeline: Mapping[str, Any], deployment: Deployment, *, steps: int,
+                       round_s: float) -> dict[int, float]:
+    """Per global step, the seconds every replica waits in it for a pipeline stage that died
+    in the round before (the module docstring, "Waits for a pipeline stage's real death")."""
+    waits: dict[int, float] = {}
+    back_after = deployment.restart_s + deployment.rejoin_s
+    for death in pipeline.get("deaths") or []:
+        died = int(death["global_step"])
+        if not 0 <= died < steps:
+            continue
+        fraction = min(1.0, max(0.0, float(death.get("fraction", 0.5))))
+        g = min(died + 1, steps - 1)
+        waits[g] = max(waits.get(g, 0.0), max(0.0, back_after - (1.0 - fraction) * round_s))
+    return waits
+
+
 @dataclass(frozen=True)
 class _Round:
     """One round's plan as plain lists: who computes what, through which donor."""
@@ -294,6 +317,9 @@ def _priced(summary: Mapping[str, Any], config: Any, rounds: Sequence[_Round],
     absent, waits = _kill_waits(_kills(distributed), deployment, steps=steps,
                                 round_s=priced(rounds[0])[0], timeout_s=timeout_s,
                                 lease_s=float(distributed.get("lease_s") or 0.0))
+    for g, seconds in _stage_death_waits(summary.get("pipeline") or {}, deployment,
+                                         steps=steps, round_s=priced(rounds[0])[0]).items():
+        waits[g] = max(waits.get(g, 0.0), seconds)
     totals = {"compute_s": 0.0, "boundary_s": 0.0, "store_s": 0.0, "wait_s": 0.0}
     busy_s = 0.0
     ends: list[float] = []          # wall-clock at the end of each round, before evaluations

@@ -321,3 +321,25 @@ def test_unplanned_kills_in_the_recoveries_are_priced_too():
     assert planned["kill_wait_rounds"] == []
     # the dead replica computes nothing in round 2: the run is no slower than without it
     assert cost["wall_s"] <= planned["wall_s"]
+
+
+def test_a_pipeline_stage_death_costs_its_restart_less_the_rest_of_its_round():
+    # the hand round is 8.5 s; a stage dies 20% into round 1 and is back 20 s later: the rest
+    # of round 1 (6.8 s) goes on without it, round 2 waits 20 - 6.8 = 13.2 s for it
+    summary = _summary(steps=4)
+    summary["pipeline"] = {"deaths": [{"replica": 1, "stage": 1, "global_step": 1,
+                                       "fraction": 0.2}]}
+    base = run_cost(_summary(steps=4), _deployment(recovery__restart_s=20.0))
+    slow = run_cost(summary, _deployment(recovery__restart_s=20.0))
+    assert slow["breakdown_s"]["wait_s"] == pytest.approx(13.2)
+    assert slow["wall_s"] == pytest.approx(base["wall_s"] + 13.2)
+    # back within the rest of its round (5 s): nobody waits
+    fast = run_cost(summary, _deployment(recovery__restart_s=5.0))
+    assert fast["breakdown_s"]["wait_s"] == pytest.approx(0.0)
+    # two deaths in one round restart side by side (the longer wait counts), and a death in
+    # the last round costs the same at the run's end
+    summary["pipeline"]["deaths"] += [
+        {"replica": 0, "stage": 1, "global_step": 1, "fraction": 0.5},
+        {"replica": 0, "stage": 1, "global_step": 3, "fraction": 0.0}]
+    both = run_cost(summary, _deployment(recovery__restart_s=20.0))
+    assert both["breakdown_s"]["wait_s"] == pytest.approx(20 - 0.5 * 8.5 + 20 - 8.5)
