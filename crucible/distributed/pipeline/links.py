@@ -10,8 +10,10 @@ back). A message is a multipart ZeroMQ message: one JSON header frame, then one 
      "tensors": [{"name": "message", "dtype": "float32", "shape": [1, 4, 32, 64]}, ...]}
 
 `kind` is `act` (forward: the boundary message, the token ids for a compressed arm, MAPL's
-sender basis), `grad` (backward: the gradients of what `act` carried) or `norms` (the per-tensor
-gradient norms a replica's stages exchange for global-norm clipping). Nothing a peer sends is
+sender basis), `grad` (backward: the gradients of what `act` carried), `norms` (the per-tensor
+gradient norms a replica's stages send its first stage for global-norm clipping), `clip` (the
+first stage's verdict on an inner step: the clipping factor, or run it again; a sibling's
+report of it when the first stage died) or `ctl` (the launcher's notices). Nothing a peer sends is
 trusted: `Inbox.receive` refuses (and counts, in `refused`) a message whose header does not
 parse, names an unknown kind, carries more bytes than `max_bytes`, or whose tensors differ from
 what the receiver expects (name, dtype, shape) or hold a non-finite value; a refused message is
@@ -261,8 +263,11 @@ class Inbox:
     def close(self) -> None:
         self.socket.close()
 
-    def drain(self) -> None:
-        """Read what has arrived without waiting (control messages take effect)."""
+    def drain(self, timeout_s: float = 0.0) -> None:
+        """Read what has arrived (control messages take effect), waiting up to `timeout_s`
+        for a first message."""
+        if timeout_s > 0:
+            self.socket.poll(int(timeout_s * 1000))
         while self.socket.poll(0):
             self._take(self.socket.recv_multipart(copy=True))
 

@@ -55,7 +55,9 @@ from crucible.distributed.pipeline.links import (
     Inbox,
     Interrupted,
     LinkCounters,
+    LinkTimeout,
     Outbox,
+    Received,
     Shaping,
     ids_dtype,
 )
@@ -81,6 +83,8 @@ from crucible.strategy import StepPlan, plan_step
 
 __all__ = ["StageModel", "StageWorker", "check_pipeline", "stage_dir", "main", "GRACE_S"]
 
+# the `coef` of a sibling's report that it holds no verdict of the attempt (`_report_verdicts`)
+_NO_VERDICT = -2.0
 # after a death notice, how long the first stage waits for a message the dead stage may have sent
 # just before it died (it travels on another connection than the launcher's notice)
 GRACE_S = 0.3
@@ -219,6 +223,12 @@ class StageWorker:
         self.deaths: dict[tuple[int, int], tuple[int, bool]] = {}
         self.round = 0                             # the round this process is in
         self.resend_to: set[str] = set()
+        # the verdicts of its first stage (`_await_verdict`): the attempt (g, h, v) it is in,
+        # the last verdict it took, and what it told its siblings when the first stage died
+        self.position: tuple[int, int, int] | None = None
+        self.last_verdict: tuple[tuple[int, int, int], Received] | None = None
+        self.reported: dict[tuple[int, int, int], Received | None] = {}
+        self.round_dropped = False         # an unplanned death dropped an inner step of it
         self.notices = run_dir / "notices.jsonl"
         self._read_notices()     # deaths before this life began (a restarted process)
         self.attempt = 0                   # this inner step's attempt (messages carry it)
@@ -273,7 +283,7 @@ class StageWorker:
             return self._grad_expect()
         if kind == "norms" and q == self.r and self.s == 0:
             return {"norms": Expect(torch.float32, (self.adamw_counts[t],))}
-        if kind == "clip" and q == self.r and t == 0:
+        if kind == "clip" and q == self.r and self.s != 0:   # the first stage's, or a report
             return self._verdict_expect()
         return None
 
@@ -301,6 +311,8 @@ class StageWorker:
         if not (0 <= q < self.R and 0 <= t < self.S) or (q, t) == (self.r, self.s):
             return
         self.deaths[(q, t)] = (d, gone)
+        if (q, t) == (self.r, 0) and self.s != 0 and self.position is not None:
+            self._report_verdicts()
         if d < self.round and not gone:
             # it died after its last round and is back in this one: what this process sent
             # it in this step died with it, so it goes again to its next life
@@ -323,12 +335,14 @@ class StageWorker:
         return {key for key, (d, gone) in self.deaths.items() if g == d or (gone and g > d)}
 
     def _contributes(self, g: int, base: StepPlan) -> torch.Tensor:
-        """Who contributes to round g's outer round, as this process knows it: the plan's,
-        less its own replica when an unplanned death dropped it (as the simulator's drop: a
-        dropped replica contributes nothing, its partial round is discarded). A peer that
-        has not heard of the death waits for the contribution until the notice reaches it."""
+        """Who contributes to round g's outer round: the plan's, less its own replica when an
+        unplanned death dropped one of its inner steps of the round (as the simulator's drop: a
+        dropped replica contributes nothing, its partial round is discarded). Every live stage
+        of the replica took the same outcome of every inner step (`_clip`), so they all
+        contribute or none does, whenever the notice of the death reached each; a peer that
+        has heard of the death does not wait for the replica's contribution."""
         contributes = base.contributes.clone()
-        if bool(self._effective(g).loss_weight[self.r] == 0):
+        if self.round_dropped:
             contributes[self.r] = False
         return contributes
 
@@ -512,7 +526,7 @@ class StageWorker:
             append_jsonl(self.out / "rounds.jsonl", {
                 "global_step": g, "replica": self.r, "stage": self.s,
                 "trained": bool(seen.active[self.r, self.s]),
-                "dropped": bool(seen.loss_weight[self.r] == 0),
+                "dropped": bool(step.loss_weight[self.r] == 0) or self.round_dropped,
                 "bypassed": [t for t in range(self.S) if bool(seen.bypass[self.r, t])],
                 "train_loss": losses, "inner_s": inner_s,
                 "upload_bytes": sum(x.upload_bytes for x in results),
@@ -564,6 +578,7 @@ class StageWorker:
         round are dropped (`dropped_steps`)."""
         base = plan_step(self.plan, g, config=self.config)
         planned_drop = bool(base.loss_weight[self.r] == 0)
+        self.round_dropped = False
         total, counted = 0.0, 0
         for h in range(self.H):
             batch = self._batch() if self.data is not None else None   # the stream moves on
@@ -579,7 +594,9 @@ class StageWorker:
                 if not self._owners(step):        # dropped (or nothing to run) from here on
                     if bool(step.loss_weight[self.r] == 0):
                         self.dropped += 1
+                        self.round_dropped = True
                     break
+                self.position = (g, h, self.attempt)
                 dead = self._chain_dead(g, step)
                 try:
                     loss = self._micro_batches(g, h, step, batch, dead)
@@ -598,6 +615,7 @@ class StageWorker:
                 self.model.zero_grad(set_to_none=True)
                 if bool(self._effective(g).loss_weight[self.r] == 0):
                     self.dropped += 1
+                    self.round_dropped = True
                     break
                 self.retried += 1
                 self.attempt += 1
@@ -748,12 +766,20 @@ class StageWorker:
         clipping factor (computed at the simulator's width, a down stage's tensors as zeros,
         in the simulator's tensor order). A factor below 0 says the step runs again (a stage
         of the chain died before it had done its part). Returns whether the step completed
-        (its gradients then clipped)."""
+        (its gradients then clipped).
+
+        The verdict is the attempt's one outcome at every live stage of the replica: a stage
+        that sent its norms takes the verdict even when a death has dropped the replica
+        meanwhile (the first stage answers every stage it asked, `_decide` and `_abandon`),
+        and when the first stage itself died the survivors take the verdict any of them got
+        (`_survivors_verdict`)."""
         params = self.optimizer.parameters()
         grads = [p.grad for p in params if p.grad is not None]
         mine = torch.stack([torch.linalg.vector_norm(g_.flatten(1), dim=1)[0] for g_ in grads])
         v = self.attempt
         if self.s != 0:
+            if self.r not in self._owners(step):
+                return False   # a donor of a dropped replica: its first stage decides nothing
             self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
                              v=v, tensors={"norms": mine})
             coef = self._await_verdict(g, h)
@@ -768,16 +794,84 @@ class StageWorker:
 
     def _await_verdict(self, g: int, h: int) -> torch.Tensor | None:
         """The first stage's answer for this attempt: the factor, or None (run it again, with
-        the deaths it names). Raises Interrupted when the replica drops (the first stage, or
-        the last, died)."""
-        got = self.inbox.receive(
-            "clip", (self.r, 0), g=g, h=h, m=0, owner=self.r, v=self.attempt,
-            expect=self._verdict_expect(), timeout_s=self.timeout_s,
-            valid=lambda: bool(self._effective(g).loss_weight[self.r] > 0))
+        the deaths it names). It comes unless the first stage dies; then the answer is the
+        one some survivor of the replica took, or None if none did (`_survivors_verdict`)."""
+        try:
+            got: Received | None = self.inbox.receive(
+                "clip", (self.r, 0), g=g, h=h, m=0, owner=self.r, v=self.attempt,
+                expect=self._verdict_expect(), timeout_s=self.timeout_s,
+                valid=lambda: (self.r, 0) not in self._dead_now(g))
+        except Interrupted:
+            got = self._survivors_verdict(g, h)
+        if got is None:
+            return None
+        self.last_verdict = ((g, h, self.attempt), got)
         for t in torch.nonzero(got.tensors["dead"]).flatten().tolist():
             self.deaths.setdefault((self.r, int(t)), (g, False))
         coef = got.tensors["coef"]
         return None if float(coef[0]) < 0 else coef
+
+    def _report_verdicts(self) -> None:
+        """The first stage of this replica died (the launcher's notice): tell every live
+        sibling what this stage holds of its verdicts, once per attempt. The verdict of the
+        attempt it is in, if it took it or it has arrived, else `_NO_VERDICT`, after which a
+        copy still arriving from the dead stage is not used (the siblings may have decided
+        without it); and the last verdict it took, if for an earlier attempt (a sibling may
+        still be waiting for it)."""
+        assert self.position is not None
+        at = self.position
+        if at in self.reported:
+            return
+        g, h, v = at
+        held = self.last_verdict[1] if self.last_verdict and self.last_verdict[0] == at else None
+        if held is None:
+            arrived = self.inbox.waiting.get(("clip", (self.r, 0), g, h, 0, self.r, v))
+            held = arrived[1] if arrived is not None and arrived[0] is None else None
+        self.reported[at] = held
+        reports = {at: held.tensors if held is not None else {
+            "coef": torch.full((1,), _NO_VERDICT), "dead": torch.zeros(self.S, dtype=torch.uint8)}}
+        if self.last_verdict is not None and self.last_verdict[0] != at:
+            reports[self.last_verdict[0]] = self.last_verdict[1].tensors
+        for t in range(1, self.S):
+            if t == self.s or (self.r, t) in self._dead_now(g):
+                continue
+            for (g_, h_, v_), tensors in reports.items():
+                self.outbox.send(self._address(self.r, t), "clip", g=g_, h=h_, m=0,
+                                 owner=self.r, v=v_, tensors=tensors)
+
+    def _survivors_verdict(self, g: int, h: int) -> Received | None:
+        """The verdict of this attempt when the first stage died before this stage took it:
+        the one this stage had when it heard (`_report_verdicts`), else the one any live
+        sibling reports, else None (no survivor has one: the first stage cannot have answered
+        any). Each live sibling reports this attempt, or an earlier one it is still in (then
+        it never sent this attempt's norms, so no verdict of it exists)."""
+        v = self.attempt
+        at = (g, h, v)
+        if at not in self.reported:
+            self._report_verdicts()
+        if self.reported[at] is not None:
+            return self.reported[at]
+        pending = set(range(1, self.S)) - {self.s}
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            pending = {t for t in pending if (self.r, t) not in self._dead_now(g)}
+            for key, entry in list(self.inbox.waiting.items()):
+                kind, (q, t), g_, h_, _, owner, v_ = key
+                if (kind != "clip" or q != self.r or t not in pending or owner != self.r
+                        or entry[0] is not None or (g_, h_, v_) > at):
+                    continue
+                if (g_, h_, v_) == at and float(entry[1].tensors["coef"][0]) != _NO_VERDICT:
+                    log.info("r%d s%d: the verdict of inner step %d.%d attempt %d from stage %d "
+                             "(the first stage died)", self.r, self.s, g, h, v, t)
+                    return entry[1]
+                pending.discard(t)
+            if not pending:
+                return None
+            if time.monotonic() >= deadline:
+                raise LinkTimeout(f"stages {sorted(pending)} of replica {self.r} did not report "
+                                  f"their verdicts of step {g}.{h} attempt {v} within "
+                                  f"{self.timeout_s:.1f} s of its first stage's death")
+            self.inbox.drain(timeout_s=0.05)
 
     def _decide(self, g: int, h: int, step: StepPlan, mine: torch.Tensor) -> torch.Tensor | None:
         """The first stage's verdict for this attempt, sent to every live stage of the
@@ -829,28 +923,29 @@ class StageWorker:
 
     def _abandon(self, g: int, h: int, step: StepPlan) -> bool:
         """This attempt met a death in its chain before the stage finished its part: the
-        first stage answers every live stage with a retry; any other stage tells the first
-        it cannot finish (norms of -1) and takes its verdict. Returns False (not done), or
-        True if the first stage says the step completed (it cannot, for this stage)."""
-        if bool(self._effective(g).loss_weight[self.r] == 0):
-            return False                     # the replica drops: nobody waits for a verdict
+        first stage answers every live stage with a retry (a stage that sent its norms waits
+        for it, even when the replica drops); any other stage tells the first it cannot
+        finish (norms of -1) and, unless the replica drops, takes its verdict (the deaths it
+        names). Returns False (not done), or True if the first stage says the step completed
+        (it cannot: without this stage's norms there is no complete verdict)."""
+        dropped = bool(self._effective(g).loss_weight[self.r] == 0)
         if self.s == 0:
-            # a peer's abort may come before the launcher's notice of the death behind it:
-            # let the notice land, so that the retry names the dead stage
-            time.sleep(GRACE_S)
-            self.inbox.drain()
+            if not dropped:
+                # a peer's abort may come before the launcher's notice of the death behind
+                # it: let the notice land, so that the retry names the dead stage
+                time.sleep(GRACE_S)
+                self.inbox.drain()
             live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
             self._send_verdict(g, h, live, None)
             return False
-        log.info("r%d s%d: inner step %d.%d attempt %d met a death; asking the first stage",
+        log.info("r%d s%d: inner step %d.%d attempt %d met a death; telling the first stage",
                  self.r, self.s, g, h, self.attempt)
         marker = -torch.ones(self.adamw_counts[self.s])
         self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
                          v=self.attempt, tensors={"norms": marker})
-        try:
-            return self._await_verdict(g, h) is not None
-        except Interrupted:
+        if dropped:
             return False
+        return self._await_verdict(g, h) is not None
 
     def _update(self, lr: float) -> None:
         active = torch.ones(1, 1, dtype=torch.bool)
