@@ -1,5 +1,6 @@
 """Render a distributed run on N GPU hosts as Kubernetes objects (NOT RUN here: no cluster, no
-GPUs; only the rendering is tested, tests/unit/test_k8s_render.py).
+GPUs; only the rendering is tested, tests/unit/test_k8s_render.py). With `--pipeline`, the
+pipeline mode's pod-per-stage layout instead: infra/k8s/pipeline.py says what it renders.
 
     python -m infra.k8s.render --replicas 4 --image registry.example.com/crucible:gpu \\
         --store s3://crucible/dist --endpoint-url http://minio.crucible:9000 \\
@@ -53,11 +54,28 @@ import yaml
 from crucible.config import Config, ConfigError, apply_overrides
 from crucible.distributed.liveness import add_recovery_arguments
 
-__all__ = ["MERGE_SCRIPT", "RUN_DIR", "render", "main"]
+__all__ = ["MERGE_SCRIPT", "PIPELINE_OPTIONS", "RUN_DIR", "render", "main", "mounts",
+           "run_config", "run_labels", "run_objects", "run_spec_copy", "store_env", "volumes"]
 
 RUN_DIR = "/crucible/run"
 _SPEC_DIR = "/crucible/spec"
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
+
+# the pipeline layout's own options (infra/k8s/pipeline.py; refused without --pipeline)
+PIPELINE_OPTIONS = (
+    ("--micro-batches", int, "M", "micro-batches per inner step, fill-drain (default 1)"),
+    ("--link-timeout", float, "SECONDS",
+     "how long a stage waits for a message before it fails (default 120)"),
+    ("--link-mbps", float, "MBIT_S", "every link's bandwidth, shaped in the sender (default 0: "
+                                     "no limit)"),
+    ("--link-latency-ms", float, "MS", "every link's latency, in the sender (default 0)"),
+    ("--link-port", int, "PORT", "the port every stage pod's link binds and is reached on "
+                                 "(default 5555)"),
+    ("--stage-cpu", str, "CPU", "CPU request of each stage pod (default 1: a stage process "
+                                "runs one torch thread)"),
+    ("--stage-memory", str, "BYTES", "memory request and limit of each stage pod (default "
+                                     "2Gi)"),
+)
 
 # The merge step (argv[1]: the run folder): `launch.merge` with the agents' recorded exit codes.
 MERGE_SCRIPT = """\
@@ -110,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="crucible-dist",
                    help="prefix of the objects' names (lowercase letters, digits, '-')")
     p.add_argument("--run-key", help="the run's key in the store (default: a new one)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per replica pod (0: CPU nodes)")
+    p.add_argument("--gpus", type=int, help="GPUs per replica pod (default 1; 0: CPU nodes)")
     p.add_argument("--claim", help="an existing ReadWriteMany claim for the run folder "
                                    "(default: render one)")
     p.add_argument("--storage-class", help="storage class of the rendered ReadWriteMany claim")
@@ -121,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
                         "before it merges the missing ones as lost")
     p.add_argument("--start-timeout-s", type=float, default=900.0,
                    help="how long replicas wait for each other at the start (image pulls)")
+    pipe = p.add_argument_group("pipeline mode (--pipeline: one pod per stage-replica)")
+    pipe.add_argument("--pipeline", action="store_true",
+                      help="render the pipeline mode: R x S stage pods (infra/k8s/pipeline.py)")
+    for flag, kind, metavar, text in PIPELINE_OPTIONS:
+        pipe.add_argument(flag, type=kind, metavar=metavar, help=text)
     return p
 
 
@@ -135,23 +158,16 @@ def _kills(texts: list[str], *, rejoin: bool) -> list[dict[str, Any]]:
     return out
 
 
-def _check(args: argparse.Namespace) -> tuple[Config, list[dict[str, Any]]]:
-    """The run's config and kills; ConfigError naming the option for bad input."""
-    from crucible.distributed.launch import check_kills
-    from crucible.distributed.worker import check_distributed
+def run_config(args: argparse.Namespace, *, pods: str) -> Config:
+    """The run's config from the preset, the overrides and the store options, once the
+    options every layout shares are checked (`pods`: what one pod is, for the messages)."""
     from crucible.presets import get_preset
 
     if args.replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1 (one pod per replica), got {args.replicas}")
-    if args.replicas > 1 and not args.store:
-        raise ConfigError(f"--store is required for --replicas {args.replicas}: each replica "
-                          "runs on its own host, so pass an S3 URL every pod reaches, e.g. "
-                          "--store s3://crucible/dist (--endpoint-url for MinIO)")
+        raise ConfigError(f"--replicas must be >= 1 ({pods}), got {args.replicas}")
     if args.store and not args.store.startswith("s3://"):
         raise ConfigError(f"--store {args.store!r}: pass s3://bucket/prefix (a file:// store "
                           "is one host's disk)")
-    if args.gpus < 0:
-        raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
     if not _NAME.fullmatch(args.name):
         raise ConfigError(f"--name {args.name!r}: use 1-40 lowercase letters, digits and '-', "
                           "starting with a letter")
@@ -163,7 +179,27 @@ def _check(args: argparse.Namespace) -> tuple[Config, list[dict[str, Any]]]:
         preset = get_preset(args.preset)
     except ConfigError as exc:
         raise ConfigError(f"--preset: {exc}") from exc
-    config = apply_overrides(preset, [*args.overrides, *extra])
+    return apply_overrides(preset, [*args.overrides, *extra])
+
+
+def _check(args: argparse.Namespace) -> tuple[Config, list[dict[str, Any]]]:
+    """The run's config and kills; ConfigError naming the option for bad input."""
+    from crucible.distributed.launch import check_kills
+    from crucible.distributed.worker import check_distributed
+
+    given = [flag for flag, *_ in PIPELINE_OPTIONS
+             if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: the pipeline mode's options; add --pipeline")
+    if args.replicas > 1 and not args.store:
+        raise ConfigError(f"--store is required for --replicas {args.replicas}: each replica "
+                          "runs on its own host, so pass an S3 URL every pod reaches, e.g. "
+                          "--store s3://crucible/dist (--endpoint-url for MinIO)")
+    if args.gpus is None:
+        args.gpus = 1
+    if args.gpus < 0:
+        raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
+    config = run_config(args, pods="one pod per replica")
     check_distributed(config)
     kills = _kills(args.kill, rejoin=True) + _kills(args.kill_forever, rejoin=False)
     check_kills(kills, config)
@@ -174,6 +210,9 @@ def render(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The Kubernetes objects of the run `args` describes (raises ConfigError for bad input)."""
     from crucible.distributed.launch import check_recovery, lives_of
 
+    if args.pipeline:
+        from infra.k8s.pipeline import render_pipeline
+        return render_pipeline(args)
     config, kills = _check(args)
     check_recovery(restarts=args.restarts, lease_s=args.lease_s)
     lives = lives_of(config, kills, restarts=args.restarts)
@@ -182,8 +221,23 @@ def render(args: argparse.Namespace) -> list[dict[str, Any]]:
              "config": config.to_dict(), "plan": None, "kills": kills,
              "start_timeout_s": args.start_timeout_s, "lives": lives,
              "lease_s": float(args.lease_s)}
-    labels = {"app.kubernetes.io/name": "crucible", "crucible.io/run": args.name}
+    labels = run_labels(args)
     claim = args.claim or f"{args.name}-run"
+    objects = run_objects(args, ident, labels)
+    for r in range(config.replicas):
+        objects.append(_replica_job(args, labels, claim, r, lives[r] - 1, config))
+    objects.append(_merge_job(args, labels, claim, config.replicas))
+    return objects
+
+
+def run_labels(args: argparse.Namespace) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "crucible", "crucible.io/run": args.name}
+
+
+def run_objects(args: argparse.Namespace, ident: dict[str, Any],
+                labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The ConfigMap holding `run.json` and, unless `--claim` names one, the ReadWriteMany
+    claim of the run folder."""
     objects: list[dict[str, Any]] = [{
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": f"{args.name}-run", "labels": labels},
@@ -194,19 +248,33 @@ def render(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.storage_class:
             spec["storageClassName"] = args.storage_class
         objects.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                        "metadata": {"name": claim, "labels": labels}, "spec": spec})
-    for r in range(config.replicas):
-        objects.append(_replica_job(args, labels, claim, r, lives[r] - 1, config))
-    objects.append(_merge_job(args, labels, claim, config.replicas))
+                        "metadata": {"name": f"{args.name}-run", "labels": labels},
+                        "spec": spec})
     return objects
 
 
-def _volumes(args: argparse.Namespace, claim: str) -> list[dict[str, Any]]:
+def run_spec_copy(args: argparse.Namespace, mounts: list[dict[str, Any]],
+                  tag: str) -> dict[str, Any]:
+    """The init container that copies `run.json` from the ConfigMap into the shared run
+    folder (every pod copies the same file, atomically; `tag` keeps the temporaries apart)."""
+    return {"name": "run-spec", "image": args.image,
+            "command": ["sh", "-c", f"cp {_SPEC_DIR}/run.json {RUN_DIR}/.run.json.{tag} && "
+                                    f"mv {RUN_DIR}/.run.json.{tag} {RUN_DIR}/run.json"],
+            "volumeMounts": mounts}
+
+
+def volumes(args: argparse.Namespace, claim: str) -> list[dict[str, Any]]:
     return [{"name": "run", "persistentVolumeClaim": {"claimName": claim}},
             {"name": "spec", "configMap": {"name": f"{args.name}-run"}}]
 
 
-def _store_env(args: argparse.Namespace) -> list[dict[str, Any]]:
+def mounts() -> list[dict[str, Any]]:
+    """The run folder (the shared claim) and the ConfigMap's `run.json`, in every container."""
+    return [{"name": "run", "mountPath": RUN_DIR},
+            {"name": "spec", "mountPath": _SPEC_DIR, "readOnly": True}]
+
+
+def store_env(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.store:
         return []
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": args.s3_secret, "key": key}}}
@@ -234,19 +302,14 @@ def _replica_job(args: argparse.Namespace, labels: dict[str, str], claim: str, r
     container: dict[str, Any] = {
         "name": "replica", "image": args.image, "command": ["bash", "-c", script],
         "env": [{"name": "CRUCIBLE_REPLICA", "value": str(replica)},
-                {"name": "PYTHONUNBUFFERED", "value": "1"}, *_store_env(args)],
-        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR},
-                         {"name": "spec", "mountPath": _SPEC_DIR, "readOnly": True}]}
+                {"name": "PYTHONUNBUFFERED", "value": "1"}, *store_env(args)],
+        "volumeMounts": mounts()}
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         # every replica copies the same run.json into the shared folder (atomically)
-        "initContainers": [{
-            "name": "run-spec", "image": args.image,
-            "command": ["sh", "-c", f"cp {_SPEC_DIR}/run.json {RUN_DIR}/.run.json.{replica} && "
-                                    f"mv {RUN_DIR}/.run.json.{replica} {RUN_DIR}/run.json"],
-            "volumeMounts": container["volumeMounts"]}],
+        "initContainers": [run_spec_copy(args, container["volumeMounts"], str(replica))],
         "containers": [container],
-        "volumes": _volumes(args, claim),
+        "volumes": volumes(args, claim),
         # one replica per host where the cluster can
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
             "weight": 100, "podAffinityTerm": {
@@ -291,14 +354,13 @@ def _merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str,
     container = {
         "name": "merge", "image": args.image,
         "command": ["bash", "-c", wait + f'exec python -c "$MERGE_SCRIPT" {RUN_DIR}\n'],
-        "env": [{"name": "MERGE_SCRIPT", "value": MERGE_SCRIPT}, *_store_env(args)],
-        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR},
-                         {"name": "spec", "mountPath": _SPEC_DIR, "readOnly": True}]}
+        "env": [{"name": "MERGE_SCRIPT", "value": MERGE_SCRIPT}, *store_env(args)],
+        "volumeMounts": mounts()}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": f"{args.name}-merge", "labels": mine},
             "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine}, "spec": {
                 "restartPolicy": "Never", "containers": [container],
-                "volumes": _volumes(args, claim)}}}}
+                "volumes": volumes(args, claim)}}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("# a distributed run, rendered by `python -m infra.k8s.render` (NOT RUN in CI: no "
-          "cluster)")
+    print(f"# a {'pipeline' if args.pipeline else 'distributed'} run, rendered by `python -m "
+          "infra.k8s.render` (NOT RUN in CI: no cluster)")
     print(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=100), end="")
     return 0
 
