@@ -29,8 +29,9 @@ What it renders (the layout `crucible launch --pipeline` makes on one host, one 
   (`crucible.distributed.pipeline.pods supervise`): it restarts the stage process after a death
   by a signal while it has lives (one per planned failure of it, plus `--restarts`) and tells
   every other stage of an unplanned one over its link, as the launcher does. `restartPolicy:
-  Never`, `backoffLimit`: its lives less one (a pod lost as a whole is replaced, and the new
-  supervisor goes on counting lives in the shared folder); `podFailurePolicy` fails the Job
+  Never`, `backoffLimit`: its lives (a pod lost as a whole is replaced, and the new supervisor
+  goes on counting lives in the shared folder, first telling the peers of the life that died
+  with the old pod, so one pod more than lives can report the last); `podFailurePolicy` fails the Job
   at once when the stage failed with an error (exit 1: a restart would repeat it), and
   `podReplacementPolicy: Failed` starts no replacement while the old pod still runs.
   `shareProcessNamespace`: the supervisor is not PID 1 (a stage process whose parent is PID 1
@@ -188,7 +189,8 @@ def _stage_job(args: argparse.Namespace, stages: dict[str, str], claim: str, *, 
                                                "labelSelector": {"matchLabels": stages}}}]}}}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "labels": mine},
-            "spec": {"backoffLimit": lives - 1, "podReplacementPolicy": "Failed",
+            # a pod per life, and one more to report the last life lost with its pod
+            "spec": {"backoffLimit": lives, "podReplacementPolicy": "Failed",
                      "podFailurePolicy": {"rules": [{
                          "action": "FailJob",
                          "onExitCodes": {"containerName": "stage", "operator": "In",

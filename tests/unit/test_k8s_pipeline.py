@@ -157,7 +157,7 @@ def test_the_pipeline_renders_a_pod_per_stage_replica_whose_links_all_resolve() 
         assert job["metadata"]["name"] == pod["hostname"]
         lives = ident["lives"][f"{r},{s}"]
         assert lives == 1 + planned.get((r, s), 0) + 2
-        assert job["spec"]["backoffLimit"] == lives - 1
+        assert job["spec"]["backoffLimit"] == lives     # and a pod to report the last lost
         assert pod["restartPolicy"] == "Never" and pod["shareProcessNamespace"] is True
         assert job["spec"]["podReplacementPolicy"] == "Failed"
         (rule,) = job["spec"]["podFailurePolicy"]["rules"]
@@ -271,6 +271,20 @@ def test_a_pods_supervisor_announces_the_life_that_died_with_the_pod_before_it(
     notices = [json.loads(line) for line in (run / "notices.jsonl").read_text().splitlines()]
     assert [(n["replica"], n["stage"], n["round"], n["gone"]) for n in notices] == [
         (0, 1, 1, True)]
+
+
+def test_a_stage_that_finished_before_its_pod_went_is_done_without_a_notice(
+        tmp_path: Path) -> None:
+    from crucible.distributed.pipeline.pods import STATE_FILE, supervise
+
+    run = _run_folder(tmp_path, lives=1)
+    folder = run / "stages" / "r0-s1"
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text(json.dumps({"lives_used": 1, "started": 1.0}))
+    (folder / "summary.json").write_text("{}")
+    outcome = supervise(run, replica=0, stage=1)
+    assert (outcome["exit"], outcome["lives"], outcome["lost"]) == (0, 1, False)
+    assert not (run / "notices.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -73,17 +73,20 @@ def supervise(run_dir: Path, *, replica: int, stage: int) -> dict[str, Any]:
     state.setdefault("started", time.time())
     context = zmq.Context()
     notices = Outbox(context, LAUNCHER, LinkCounters())
+    # a stage that finished before its last pod went is done (no life is spent on it)
+    code = 0 if (folder / "summary.json").exists() else None
     try:
-        if used:
+        if used and code is None:
             _announce_unseen(run_dir, notices, ident, replica=replica, stage=stage, life=used - 1,
                              gone=used >= lives)
-        code = None
-        while used < lives:
+        # started again only after a death by a signal: an exit code >= 0 is done, or an
+        # error that a restart would repeat
+        while (code is None or code < 0) and used < lives:
             used += 1
             write_json_atomic(folder / STATE_FILE, state | {"lives_used": used})
             code = _start(run_dir, replica, stage).wait()
-            if code >= 0:     # done, or an error (restarting would repeat it)
-                break
+            if code >= 0:
+                continue
             gone = used >= lives
             if gone or not _planned_death(run_dir, replica, stage, life=used - 1):
                 _notify(run_dir, notices, ident["addresses"], r=replica, s=stage, gone=gone,
@@ -106,7 +109,7 @@ def _announce_unseen(run_dir: Path, notices: Outbox, ident: dict[str, Any], *, r
     pod, unseen. Its peers are told, as the lost supervisor would have (unless it had, or the
     life ended by its planned kill, which every peer knows from the plan)."""
     folder = stage_dir(run_dir, replica, stage)
-    if (folder / "summary.json").exists() or _planned_death(run_dir, replica, stage, life=life):
+    if _planned_death(run_dir, replica, stage, life=life):
         return
     died = died_in_round(folder)
     path = run_dir / "notices.jsonl"
