@@ -102,6 +102,76 @@ def _same_arithmetic(spec: SweepSpec, todo: list[Cell], adoptable: dict[str, str
     return kept
 
 
+def _run_real(spec_path: Path, *, seeds: str | None, dry_run: bool, echo: Any) -> int:
+    """`study run` of a pipeline-real spec (crucible.study.pipeline_real): its cells one at a
+    time (each is R x S processes), in this process. 2 for a bad spec or option."""
+    from crucible.study.pipeline_real import (
+        all_cells,
+        cell_id,
+        load_real_results,
+        load_real_spec,
+        refused_seeds,
+        run_study,
+    )
+
+    try:
+        spec = load_real_spec(spec_path)
+        chosen = None
+        if seeds is not None:
+            chosen = [int(x) for x in seeds.split(",") if x.strip()]
+            unknown = [x for x in chosen if x not in spec.seeds]
+            if not chosen or unknown:
+                raise StudyError(f"--seeds {seeds!r}: choose from the spec's seeds "
+                                 f"{','.join(str(x) for x in spec.seeds)}")
+        here = here_arithmetic()
+        refused = refused_seeds(spec, here)
+        named = [x for x in (chosen or []) if x in refused]
+        if named:
+            raise StudyError("; ".join(refused[x] for x in named))
+    except ValueError:
+        echo(f"error: --seeds must be comma-separated integers such as 0,1; got {seeds!r}",
+             err=True)
+        return 2
+    except StudyError as exc:
+        echo(f"error: {exc}", err=True)
+        return 2
+    for seed in sorted(refused):
+        echo(f"study {spec.name}: seed {seed} left out: {refused[seed]}", err=True)
+    allowed = [x for x in (chosen or spec.seeds) if x not in refused]
+    done = load_real_results(spec)
+    todo = [cell_id(*c) for c in all_cells(spec) if c[2] in allowed
+            and cell_id(*c) not in done]
+    echo(f"study {spec.name}: {len(all_cells(spec))} cells, {len(done)} in "
+         f"{spec.results_dir}, {len(todo)} to run, one at a time")
+    if dry_run:
+        for cell in todo:
+            echo(f"  {cell}")
+        return 0
+    made = run_study(spec, seeds=allowed, scratch=Path("runs") / spec.name, log=echo)
+    echo(f"study {spec.name}: {len(made)} cells made")
+    return 0
+
+
+def _render_real(spec_path: Path, *, check: bool, echo: Any) -> int:
+    """`study render` of a pipeline-real spec: its document from its results alone."""
+    from crucible.runfiles import write_text_atomic
+    from crucible.study.pipeline_doc import render_real
+    from crucible.study.pipeline_real import load_real_spec
+
+    spec = load_real_spec(spec_path)
+    text = render_real(spec)
+    if check:
+        current = spec.document.read_text() if spec.document.exists() else ""
+        if current != text:
+            echo(f"{spec.document} is stale: run `crucible study render {spec_path}`", err=True)
+            return 1
+        echo(f"{spec.document} matches the data")
+        return 0
+    write_text_atomic(spec.document, text)
+    echo(f"wrote {spec.document}")
+    return 0
+
+
 def register(app: Any) -> None:
     """Add the `crucible study run|render` commands to the `crucible` command line."""
     import typer
@@ -144,6 +214,15 @@ def register(app: Any) -> None:
         Exit 1 if a run failed (the others still run), 2 for a bad spec or option."""
         if jobs < 1:
             raise fail(f"--jobs must be >= 1, got {jobs}")
+        from crucible.study.pipeline_real import is_real_spec
+        if is_real_spec(spec_path):
+            if cells_opt is not None:
+                raise fail("--cells: a pipeline-real study runs every cell of a seed (its "
+                           "baseline and its kill runs pair); choose seeds with --seeds")
+            code = _run_real(spec_path, seeds=seeds, dry_run=dry_run, echo=typer.echo)
+            if code:
+                raise typer.Exit(code=code)
+            return
         from crucible.config import ConfigError
         from crucible.preflight import check_spec_here
 
@@ -215,6 +294,15 @@ def register(app: Any) -> None:
         """Render the results document and its PNG figures from the committed results.
 
         --check writes nothing and exits 1 if the document differs (figures are not checked)."""
+        from crucible.study.pipeline_real import is_real_spec
+        if is_real_spec(spec_path):
+            try:
+                code = _render_real(spec_path, check=check, echo=typer.echo)
+            except StudyError as exc:
+                raise fail(str(exc)) from None
+            if code:
+                raise typer.Exit(code=code)
+            return
         try:
             spec = load_spec(spec_path)
             code = render(spec, check=check, figures=figures and not check, echo=typer.echo)

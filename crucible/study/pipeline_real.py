@@ -31,7 +31,7 @@ from typing import Any
 from crucible.study.spec import StudyError
 
 __all__ = ["RealSpec", "is_real_spec", "load_real_spec", "run_study", "load_real_results",
-           "KIND", "cell_id"]
+           "refused_seeds", "all_cells", "KIND", "cell_id"]
 
 KIND = "pipeline-real"
 _FIELDS = {"kind", "name", "title", "preset", "set", "arms", "strategies", "rate", "seeds",
@@ -176,6 +176,23 @@ def load_real_results(spec: RealSpec) -> dict[str, dict[str, Any]]:
     return out
 
 
+def refused_seeds(spec: RealSpec, here: str) -> dict[int, str]:
+    """The seeds this machine may not add to: a seed's cells pair (its baseline with its kill
+    runs), so all of them are made with one arithmetic (crucible.arithmetic's digest); a
+    seed begun with another is refused, with the reason."""
+    out: dict[int, str] = {}
+    for result in load_real_results(spec).values():
+        st = result["study"]
+        theirs = st.get("arithmetic")
+        seed = int(st["seed"])
+        if theirs != here and seed not in out:
+            out[seed] = (f"seed {seed} was begun with arithmetic {theirs} and this machine "
+                         f"computes {here}; its cells pair only within one arithmetic: run "
+                         "it on a machine of that kind, or choose a new seed (add it to the "
+                         "spec's seeds)")
+    return out
+
+
 # -- running ------------------------------------------------------------------------------------
 def run_study(spec: RealSpec, *, seeds: list[int] | None = None, scratch: Path,
               log: Any = print) -> list[str]:
@@ -209,7 +226,10 @@ def _provenance() -> dict[str, Any]:
     from crucible.summary import git_sha
 
     return {"commit": git_sha(), "cpu": cpu_identity(), "torch": torch.__version__,
-            "arithmetic": arithmetic()["digest"], "threads": torch.get_num_threads()}
+            "arithmetic": arithmetic()["digest"], "threads": torch.get_num_threads(),
+            # the host's load average when the cell ended: its processes share the cores, so
+            # wall-clock and restart times are this host's at this load
+            "load_average": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
 
 
 def _launch(config: Any, out: Path, *, restarts: int, kills: list[Any] | None = None
