@@ -127,6 +127,9 @@ def real_rows(spec: RealSpec, results: Mapping[str, Result]) -> list[dict[str, A
                                               base_loss[s]) for s, k in kills.items()}
             slow = {s: float(k["real"]["wall_s"]) / float(bases[s]["real"]["wall_s"])
                     for s, k in kills.items()}
+            kept = {s: (float(k["real"]["tokens"]) / float(k["real"]["wall_s"]))
+                    / (float(bases[s]["real"]["tokens"]) / float(bases[s]["real"]["wall_s"]))
+                    for s, k in kills.items()}
             recov = [r for k in kills.values() for r in k["real"].get("recoveries", [])]
             pred, pred_learned, pred_base = {}, {}, {}
             for s, k in kills.items():
@@ -150,6 +153,7 @@ def real_rows(spec: RealSpec, results: Mapping[str, Result]) -> list[dict[str, A
                 "attempted": [len(k["kills"]) for k in kills.values()],
                 "real": stat_of(real), "replay": stat_of(replay),
                 "diff": paired_stat(real, replay), "slowdown": stat_of(slow),
+                "tokens_kept": stat_of(kept),
                 "notice_s": [r["notice_s"] for r in recov if r.get("notice_s") is not None],
                 "restart_s": [r["restart_s"] for r in recov if r.get("restart_s") is not None],
                 "rejoin_s": [r["rejoin_s"] for r in recov if r.get("rejoin_s") is not None],
@@ -276,7 +280,8 @@ def render_real(spec: RealSpec) -> str:
           _num(statistics.mean(r["dropped"]) if r["dropped"] else None, ".1f")]
          for r in rows])
     lines += ["", "## Wall-clock and the cost model", "",
-              "Slowdown: the run's wall-clock over the same seed's run without kills. The cost "
+              "Slowdown: the run's wall-clock over the same seed's run without kills; tokens/s "
+              "kept: the run's trained tokens per second of wall-clock over that run's. The cost "
               "model (`crucible.pricing.cost`) prices each run on this machine calibrated from "
               "the runs without kills of the other seeds of its arm (seconds per inner step of "
               "a stage, the outer round, the fixed part of a run) and the other seeds' restart "
@@ -285,9 +290,10 @@ def render_real(spec: RealSpec) -> str:
               "advance); `learned` adds what real deaths taught it: the next round waits for "
               "the restarted stage (`pipeline.deaths`).", ""]
     lines += _table(
-        ["arm", "strategy", "slowdown", "model / measured, no kills", "model / measured, "
-         "planned", "model / measured, learned"],
+        ["arm", "strategy", "slowdown", "tokens/s kept", "model / measured, no kills",
+         "model / measured, planned", "model / measured, learned"],
         [[r["arm"], r["strategy"], _pct(r["slowdown"], unit="x").replace("+", ""),
+          _pct(r["tokens_kept"], unit="").replace("+", ""),
           _pct(r["model_base"], unit="").replace("+", ""),
           _pct(r["model_planned"], unit="").replace("+", ""),
           _pct(r["model_learned"], unit="").replace("+", "")] for r in rows])

@@ -76,7 +76,7 @@ def _base(arm: str, seed: int, loss: float, wall: float) -> dict:
     return {"study": {"cell": f"{arm}-base-s{seed}", "arm": arm, "strategy": "base",
                       "seed": seed, "arithmetic": "sha256:aaaa", "commit": "abc1234"},
             "config": config.to_dict(), "same_bits": True, "sim": sim,
-            "real": {"final_val_loss": loss, "wall_s": wall, "round_walls": walls,
+            "real": {"final_val_loss": loss, "wall_s": wall, "round_walls": walls, "tokens": 8192,
                      "inner_s": [0.8] * steps, "recoveries": []}}
 
 
@@ -120,6 +120,7 @@ def test_the_rows_pair_real_and_replay_by_seed(tmp_path: Path) -> None:
     assert row["diff"].values == pytest.approx((1.0, 2.0, 2.0))
     assert row["diff"].lo > 0          # the interval is above 0: real deaths cost more
     assert row["slowdown"].mean == pytest.approx(1.25)
+    assert row["tokens_kept"].mean == pytest.approx(0.8)     # the same tokens in 1.25x the time
     assert row["kills"] == [1, 1, 1] and row["attempted"] == [2, 2, 2]
     # each run priced with the other seeds' calibration: the model with restart waits
     # predicts more wall-clock than the model that prices the deaths as planned failures
