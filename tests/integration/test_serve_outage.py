@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -92,13 +94,18 @@ def _wait_for_line(log: Path, needle: str, proc: subprocess.Popen[bytes]) -> Non
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(400)
-def test_serve_keeps_polling_through_an_outage_and_serves_again(prefect_harness: None,
-                                                                 tmp_path: Path) -> None:
+@contextmanager
+def _serve(tmp_path: Path, *, cut: bool = False) -> Iterator[tuple[_Relay, subprocess.Popen[bytes],
+                                                                    Path]]:
+    """(relay, process, log): the real `crucible deploy` reaching the test harness's Prefect
+    server through a relay (already cut with `cut`); on leaving, serve is stopped with SIGTERM
+    (killed if it has not stopped within 60 s) and the relay cut."""
     from prefect.settings import PREFECT_API_URL
 
     harness = urlsplit(str(PREFECT_API_URL.value()))
     relay = _Relay((harness.hostname or "127.0.0.1", harness.port or 80))
+    if cut:
+        relay.cut()
     log = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "PREFECT_API_URL": f"http://127.0.0.1:{relay.port}{harness.path}",
@@ -109,13 +116,7 @@ def test_serve_keeps_polling_through_an_outage_and_serves_again(prefect_harness:
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)
     try:
-        _wait_for_line(log, "Your deployments are being served", proc)
-        relay.cut()
-        # Prefect's runner exits after its 3rd failed poll; serve goes on
-        _wait_for_line(log, "failed poll 5", proc)
-        relay.restore()
-        _wait_for_line(log, "Prefect API reachable again", proc)
-        assert proc.poll() is None
+        yield relay, proc, log
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -126,6 +127,19 @@ def test_serve_keeps_polling_through_an_outage_and_serves_again(prefect_harness:
                 proc.wait()
         if relay._server is not None:
             relay.cut()
+
+
+@pytest.mark.timeout(400)
+def test_serve_keeps_polling_through_an_outage_and_serves_again(prefect_harness: None,
+                                                                 tmp_path: Path) -> None:
+    with _serve(tmp_path) as (relay, proc, log):
+        _wait_for_line(log, "Your deployments are being served", proc)
+        relay.cut()
+        # Prefect's runner exits after its 3rd failed poll; serve goes on
+        _wait_for_line(log, "failed poll 5", proc)
+        relay.restore()
+        _wait_for_line(log, "Prefect API reachable again", proc)
+        assert proc.poll() is None
 
 
 @pytest.mark.timeout(300)
@@ -134,36 +148,12 @@ def test_serve_applies_its_deployments_through_an_outage_at_start(prefect_harnes
     """The Prefect server is unreachable while serve applies its deployments (a database
     restart answers 503, a dead server refuses): serve tries again with a bounded back-off, a
     log line per try, and serves once the server is back."""
-    from prefect.settings import PREFECT_API_URL
-
-    harness = urlsplit(str(PREFECT_API_URL.value()))
-    relay = _Relay((harness.hostname or "127.0.0.1", harness.port or 80))
-    relay.cut()
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "PREFECT_API_URL": f"http://127.0.0.1:{relay.port}{harness.path}",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_CLIENT_MAX_RETRIES": "0",
-           "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "deploy"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
-    try:
+    with _serve(tmp_path, cut=True) as (relay, proc, log):
         _wait_for_line(log, "applying the deployments failed", proc)
         _wait_for_line(log, "attempt 2", proc)
         relay.restore()
         _wait_for_line(log, "Your deployments are being served", proc)
         assert proc.poll() is None
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if relay._server is not None:
-            relay.cut()
 
 
 def test_what_counts_as_an_outage_when_applying_the_deployments() -> None:
