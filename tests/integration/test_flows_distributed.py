@@ -22,20 +22,34 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _completed(state, flow_client: ApiClient) -> tuple[dict, Path, dict, dict]:
+    """(the flow's result, the run folder, its merged summary, the registry's run) of a flow
+    run, which completed in the flow and in the registry, with the merged final loss."""
+    result = state.result()
+    out = Path(result["out_dir"])
+    merged = json.loads((out / "summary.json").read_text())
+    run = flow_client.get_run(result["run_id"])
+    assert result["status"] == "completed" and run["status"] == "completed"
+    assert run["final_val_loss"] == merged["final_val_loss"] == result["final_val_loss"]
+    return result, out, merged, run
+
+
+def _registered_events(flow_client: ApiClient, result: dict, out: Path) -> list[dict]:
+    """The run's events in the registry: every merged record of `events.jsonl`, once."""
+    events = flow_client.list_events(result["run_id"])
+    assert {e["id"] for e in events} == {e["id"] for e in _jsonl(out / "events.jsonl")}
+    assert events
+    return events
+
+
 @pytest.mark.slow
 def test_distributed_run_is_registered_killed_rejoined_and_finished(
         prefect_harness: None, flow_client: ApiClient) -> None:
     state = distributed_run(preset="smoke", overrides=STEPS, nproc=2, kills=["1@1"],
                             return_state=True)
-    result = state.result()
-    out = Path(result["out_dir"])
-    merged = json.loads((out / "summary.json").read_text())
-    run = flow_client.get_run(result["run_id"])
-
-    assert result["status"] == "completed" and run["status"] == "completed"
+    result, out, merged, run = _completed(state, flow_client)
     assert run["prefect_flow_run_id"] == str(state.state_details.flow_run_id)
     assert run["config"]["replicas"] == 2
-    assert run["final_val_loss"] == merged["final_val_loss"] == result["final_val_loss"]
     assert run["tokens_processed"] == merged["tokens_processed"]
     assert run["summary"]["contributions"] == merged["contributions"]
     assert run["summary"]["distributed"]["exit_codes"] == [0, 0]
@@ -45,8 +59,7 @@ def test_distributed_run_is_registered_killed_rejoined_and_finished(
     assert recovery["rejoin_step"] is not None
     assert merged["contributions"]["missed"] >= 1
     # every merged record reached the registry, once
-    events = {e["id"] for e in flow_client.list_events(result["run_id"])}
-    assert events == {e["id"] for e in _jsonl(out / "events.jsonl")} and events
+    _registered_events(flow_client, result, out)
     metrics = sorted((m["name"], m["global_step"], m["replica"])
                      for m in flow_client.list_metrics(result["run_id"]))
     assert metrics == sorted((m["name"], m["global_step"], m["replica"])
@@ -61,17 +74,10 @@ def test_a_pipeline_run_is_registered_with_its_real_stage_kills(
     overrides = [*STEPS, "faults.p=0.3", "faults.strategy=skip"]
     state = distributed_run(preset="smoke", overrides=overrides, nproc=2, pipeline=True,
                             return_state=True)
-    result = state.result()
-    out = Path(result["out_dir"])
-    merged = json.loads((out / "summary.json").read_text())
-    run = flow_client.get_run(result["run_id"])
-    assert result["status"] == "completed" and run["status"] == "completed"
-    assert run["final_val_loss"] == merged["final_val_loss"] == result["final_val_loss"]
+    result, out, _merged, run = _completed(state, flow_client)
     assert run["summary"]["pipeline"]["replicas_agree"]
     assert result["recoveries"] and not result["lost"]
-    events = flow_client.list_events(result["run_id"])
-    assert {e["id"] for e in events} == {e["id"] for e in _jsonl(out / "events.jsonl")}
-    kinds = {e["kind"] for e in events}
+    kinds = {e["kind"] for e in _registered_events(flow_client, result, out)}
     assert {"failure_start", "bypass", "process_killed", "process_restarted",
             "process_rejoined"} <= kinds
 
