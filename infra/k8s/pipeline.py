@@ -51,6 +51,7 @@ from crucible.distributed.pipeline.links import Shaping
 from crucible.faults import FaultPlan, plan_for
 from infra.k8s.render import (
     RUN_DIR,
+    merge_job,
     mounts,
     run_config,
     run_labels,
@@ -199,15 +200,9 @@ def _stage_job(args: argparse.Namespace, stages: dict[str, str], claim: str, *, 
 
 
 def _merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str) -> dict[str, Any]:
-    mine = labels | {"crucible.io/role": "merge"}
-    container = {
+    return merge_job(args, labels, claim, {
         "name": "merge", "image": args.image,
         "command": ["python", "-m", _MODULE, "merge", "--run-dir", RUN_DIR, "--grace-s",
                     f"{args.merge_grace_s:g}"],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, *store_env(args)],
-        "volumeMounts": mounts()}
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": f"{args.name}-merge", "labels": mine},
-            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine}, "spec": {
-                "restartPolicy": "Never", "containers": [container],
-                "volumes": volumes(args, claim)}}}}
+        "volumeMounts": mounts()})

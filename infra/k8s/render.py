@@ -54,8 +54,8 @@ import yaml
 from crucible.config import Config, ConfigError, apply_overrides
 from crucible.distributed.liveness import add_recovery_arguments
 
-__all__ = ["MERGE_SCRIPT", "PIPELINE_OPTIONS", "RUN_DIR", "render", "main", "mounts",
-           "run_config", "run_labels", "run_objects", "run_spec_copy", "store_env", "volumes"]
+__all__ = ["MERGE_SCRIPT", "PIPELINE_OPTIONS", "RUN_DIR", "render", "main", "merge_job",
+           "mounts", "run_config", "run_labels", "run_objects", "run_spec_copy", "store_env", "volumes"]
 
 RUN_DIR = "/crucible/run"
 _SPEC_DIR = "/crucible/spec"
@@ -350,12 +350,17 @@ def _merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str,
             f"  fi\n"
             f"  sleep 10\n"
             f"done\n")
-    mine = labels | {"crucible.io/role": "merge"}
-    container = {
+    return merge_job(args, labels, claim, {
         "name": "merge", "image": args.image,
         "command": ["bash", "-c", wait + f'exec python -c "$MERGE_SCRIPT" {RUN_DIR}\n'],
         "env": [{"name": "MERGE_SCRIPT", "value": MERGE_SCRIPT}, *store_env(args)],
-        "volumeMounts": mounts()}
+        "volumeMounts": mounts()})
+
+
+def merge_job(args: argparse.Namespace, labels: dict[str, str], claim: str,
+              container: dict[str, Any]) -> dict[str, Any]:
+    """The Job `NAME-merge` running `container` once, never retried, on the run folder."""
+    mine = labels | {"crucible.io/role": "merge"}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": f"{args.name}-merge", "labels": mine},
             "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": mine}, "spec": {
