@@ -29,11 +29,11 @@ What it renders (the layout `crucible launch --pipeline` makes on one host, one 
   (`crucible.distributed.pipeline.pods supervise`): it restarts the stage process after a death
   by a signal while it has lives (one per planned failure of it, plus `--restarts`) and tells
   every other stage of an unplanned one over its link, as the launcher does. `restartPolicy:
-  Never`, `backoffLimit`: its lives (a pod lost as a whole is replaced, and the new supervisor
+  Never`; `backoffLimit`: its lives (a pod lost as a whole is replaced, and the new supervisor
   goes on counting lives in the shared folder, first telling the peers of the life that died
-  with the old pod, so one pod more than lives can report the last); `podFailurePolicy` fails the Job
-  at once when the stage failed with an error (exit 1: a restart would repeat it), and
-  `podReplacementPolicy: Failed` starts no replacement while the old pod still runs.
+  with the old pod: one pod more than lives can report the last lost). `podFailurePolicy`
+  fails the Job at once when the stage failed with an error (exit 1: a restart would repeat
+  it); `podReplacementPolicy: Failed` starts no replacement while the old pod still runs.
   `shareProcessNamespace`: the supervisor is not PID 1 (a stage process whose parent is PID 1
   takes its launcher for dead and stops). One Job per stage-replica because lives differ.
 - Job `NAME-merge`: `pods merge` waits for every supervisor's outcome (once one is in, at most
