@@ -55,7 +55,8 @@ from crucible.config import Config, ConfigError, apply_overrides
 from crucible.distributed.liveness import add_recovery_arguments
 
 __all__ = ["MERGE_SCRIPT", "PIPELINE_OPTIONS", "RUN_DIR", "render", "main", "merge_job",
-           "mounts", "run_config", "run_labels", "run_objects", "run_spec_copy", "store_env", "volumes"]
+           "mounts", "run_config", "run_labels", "run_objects", "run_spec_copy", "store_env",
+           "volumes"]
 
 RUN_DIR = "/crucible/run"
 _SPEC_DIR = "/crucible/spec"

@@ -34,7 +34,8 @@ def test_a_stage_binds_where_the_run_says_and_is_reached_by_a_name(tmp_path: Pat
         "binds": {"0,1": f"tcp://127.0.0.1:{port}"}}))
     worker = StageWorker(tmp_path, 0, 1)
     try:
-        assert worker.inbox.socket.getsockopt(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}".encode()
+        bound = worker.inbox.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        assert bound == f"tcp://127.0.0.1:{port}"
         # a peer reaching it by another name of the bound address gets through (and a
         # malformed message is refused, not raised)
         context = zmq.Context()
