@@ -222,7 +222,7 @@ def reconcile(work_dir: Path, *, cancelled: bool = False, reason: str,
     from prefect.states import Cancelled, Crashed
 
     records = _records(work_dir)
-    flows = _flows()
+    flows: dict[str, Any] | None = None    # imported only for a flow run to mark (seconds)
     marked: list[str] = []
     with get_client(sync_client=True) as client:
         for flow_run in _open_flow_runs(client):
@@ -233,6 +233,7 @@ def reconcile(work_dir: Path, *, cancelled: bool = False, reason: str,
                 continue
             state = (Cancelled if cancelled else Crashed)(message=reason)
             client.set_flow_run_state(flow_run.id, state, force=True)
+            flows = _flows() if flows is None else flows
             flow = flows.get(client.read_flow(flow_run.flow_id).name)
             hooks = [] if flow is None else (flow.on_cancellation_hooks if cancelled
                                              else flow.on_crashed_hooks)
