@@ -39,6 +39,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,16 @@ class StageModel(nn.Module):
             param.copy_(weights[name].expand_as(param))
 
 
+@dataclass
+class _InFlight:
+    """A micro-batch between its forward and its backward on this stage."""
+    owner: int                            # the replica whose micro-batch it is
+    m: int
+    output: torch.Tensor                  # where its backward starts: the loss, or the message sent
+    leaves: dict[str, torch.Tensor]       # the message (and basis) received; the basis sent
+    loss: float | None = None             # its mean training loss (the last stage)
+
+
 class _DeathWatch:
     """What the outer round's wait asks of its peers (`ReplicaSync.watch`): a stage-replica the
     launcher reported dead in a round is not waited for in it (nor after, when it is gone)."""
@@ -229,6 +241,7 @@ class StageWorker:
         self.last_verdict: tuple[tuple[int, int, int], Received] | None = None
         self.reported: dict[tuple[int, int, int], Received | None] = {}
         self.round_dropped = False         # an unplanned death dropped an inner step of it
+        self._dropped_memo: tuple[tuple[int, frozenset[tuple[int, int]]], set[int]] | None = None
         self.notices = run_dir / "notices.jsonl"
         self._read_notices()     # deaths before this life began (a restarted process)
         self.attempt = 0                   # this inner step's attempt (messages carry it)
@@ -347,8 +360,15 @@ class StageWorker:
         return contributes
 
     def _dropped_by_death(self, replica: int, g: int) -> bool:
-        return bool(self._effective(g).loss_weight[replica] == 0) and not bool(
-            plan_step(self.plan, g, config=self.config).loss_weight[replica] == 0)
+        """Whether an unplanned death known now (not the plan) dropped `replica`'s tokens in
+        round g. The outer round's wait asks it of every peer at every poll, so the answer
+        is kept until the round or the deaths known in it change."""
+        key = (g, frozenset(self._dead_now(g)))
+        if self._dropped_memo is None or self._dropped_memo[0] != key:
+            seen, planned = self._effective(g), plan_step(self.plan, g, config=self.config)
+            self._dropped_memo = (key, {p for p in range(self.R) if bool(
+                seen.loss_weight[p] == 0) and not bool(planned.loss_weight[p] == 0)})
+        return replica in self._dropped_memo[1]
 
     def _chain_dead(self, g: int, step: StepPlan) -> set[tuple[int, int]]:
         """The unplanned deaths of round g in the chains this process runs micro-batches for:
@@ -627,97 +647,133 @@ class StageWorker:
                        dead: set[tuple[int, int]]) -> float | None:
         """Fill-drain: every micro-batch this process runs (its replica's, then those it is the
         donor for) forward, then every one backward. Returns the mean training loss of its own
-        micro-batches on the last stage (None elsewhere)."""
-        b = self._micro()
-        first, last = self.s == 0, self.s == self.S - 1
-        kept: list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
-        losses = []
-        for owner in self._owners(step):
-            prev, nxt = self._neighbours(step, owner)
-            weight = step.loss_weight[owner:owner + 1].float()
-            v = self.attempt if owner == self.r else 0
+        micro-batches on the last stage (None elsewhere). Raises Interrupted when a death in
+        the chains it runs (since the attempt began, `dead`) or the first stage's retry makes
+        a message it waits for never come."""
+        def valid() -> bool:   # nothing in the chains it runs died since the attempt began
+            return self._chain_dead(g, step) == dead and not self._abort_waiting(g, h)
 
-            def valid() -> bool:   # nothing in the chains it runs died since the attempt began
-                return self._chain_dead(g, step) == dead and not self._abort_waiting(g, h)
-
-            for m in range(self.M):
-                params = self._params_used(step)
-                leaves: dict[str, torch.Tensor] = {}
-                if "basis" in params:
-                    leaves["sent_basis"] = params["basis"]
-                if first:
-                    assert batch is not None and owner == self.r
-                    ids = batch[0][:, m * b:(m + 1) * b]
-                    x = embed_forward(params, ids,
-                                      subspace=self.fixed.subspace if self.kind == "ssn" else None,
-                                      token_table=self.fixed.token_table)
-                else:
-                    assert prev is not None
-                    got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner, v=v,
-                                             expect=self._act_expect(), timeout_s=self.timeout_s,
-                                             valid=valid)
-                    message = got.tensors["message"].requires_grad_(True)
-                    leaves["message"] = message
-                    ids = (got.tensors["ids"].long() if "ids" in got.tensors
-                           else batch[0][:, m * b:(m + 1) * b] if batch is not None else None)
-                    basis = None
-                    if self.kind == "mapl":
-                        basis = got.tensors["basis"].requires_grad_(True)
-                        leaves["basis"] = basis
-                    x = boundary.decode(self.kind, message, ids, receiver=params, stage=self.s,
-                                        basis=basis, fixed=self.fixed)
-                subspace = self.fixed.subspace if reparametrised(self.config, self.s) else None
-                for layer in layers_of(self.config, self.s):
-                    x = block_forward(params, layer, x, config=self.config, rope=self.rope,
-                                      subspace=subspace)
-                if last:
-                    assert batch is not None and owner == self.r
-                    targets = batch[1][:, m * b:(m + 1) * b]
-                    mean = head_losses(params, x, targets)
-                    if not bool(torch.isfinite(mean).all()):
-                        raise TrainingDiverged(f"non-finite training loss at global step {g}, "
-                                               f"inner step {h}: {mean.tolist()}")
-                    losses.append(float(mean.detach()))
-                    loss = (mean * weight).sum()
-                    kept.append((owner, m, loss / self.M if self.M > 1 else loss, leaves))
-                    continue
-                assert nxt is not None
-                sent = boundary.encode(self.kind, x, ids, sender=params, stage=self.s,
-                                       fixed=self.fixed)
-                out = {"message": sent}
-                if self.kind != "none":
-                    out["ids"] = ids.to(ids_dtype(self.config.model.vocab_size))
-                if self.kind == "mapl":
-                    out["basis"] = params["basis"]
-                self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner, v=v,
-                                 tensors=out)
-                kept.append((owner, m, sent, leaves))
-        for owner, m, output, leaves in kept:
-            prev, nxt = self._neighbours(step, owner)
-            v = self.attempt if owner == self.r else 0
-            if last:
-                output.backward()
-            else:
-                assert nxt is not None
-                got = self.inbox.receive("grad", nxt, g=g, h=h, m=m, owner=owner, v=v,
-                                         expect=self._grad_expect(), timeout_s=self.timeout_s,
-                                         valid=valid)
-                if self.kind == "mapl":
-                    # the receiver's decode gradient of the basis it was sent joins the
-                    # encode's in one backward, summed where the simulator sums them
-                    torch.autograd.backward([output, leaves["sent_basis"]],
-                                            [got.tensors["message"], got.tensors["basis"]])
-                else:
-                    output.backward(got.tensors["message"])
-            if not first:
-                assert prev is not None
-                grads = {"message": leaves["message"].grad}
-                if self.kind == "mapl":
-                    grads["basis"] = leaves["basis"].grad
-                self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=m, owner=owner, v=v,
-                                 tensors=grads)
+        # fill
+        in_flight = [self._forward(g, h, step, owner, m, batch, valid)
+                     for owner in self._owners(step) for m in range(self.M)]
+        # drain
+        for micro in in_flight:
+            self._backward(g, h, step, micro, valid)
         self._average_donor_gradients(step)
+        losses = [micro.loss for micro in in_flight if micro.loss is not None]
         return sum(losses) / len(losses) if losses else None
+
+    def _view(self, owner: int) -> int:
+        """The view a message of `owner`'s micro-batch carries: this replica's attempt for its
+        own; 0 for one it is the donor for (that replica's retries are not known here)."""
+        return self.attempt if owner == self.r else 0
+
+    def _forward(self, g: int, h: int, step: StepPlan, owner: int, m: int,
+                 batch: tuple[torch.Tensor, torch.Tensor] | None,
+                 valid: Callable[[], bool]) -> _InFlight:
+        """Micro-batch m of `owner` through this stage: its input (the replica's tokens on the
+        first stage, else the previous stage's message, decoded), the stage's blocks, then
+        the loss (last stage) or the encoded message sent to the next stage."""
+        prev, nxt = self._neighbours(step, owner)
+        params = self._params_used(step)
+        leaves: dict[str, torch.Tensor] = {}
+        if "basis" in params:
+            leaves["sent_basis"] = params["basis"]
+        if self.s == 0:
+            assert batch is not None and owner == self.r
+            ids = self._micro_slice(batch[0], m)
+            x = embed_forward(params, ids,
+                              subspace=self.fixed.subspace if self.kind == "ssn" else None,
+                              token_table=self.fixed.token_table)
+        else:
+            assert prev is not None
+            x, ids = self._received(g, h, m, owner, prev, params, batch, leaves, valid)
+        subspace = self.fixed.subspace if reparametrised(self.config, self.s) else None
+        for layer in layers_of(self.config, self.s):
+            x = block_forward(params, layer, x, config=self.config, rope=self.rope,
+                              subspace=subspace)
+        if self.s == self.S - 1:
+            assert batch is not None and owner == self.r
+            loss, mean = self._loss(g, h, step, owner, params, x, self._micro_slice(batch[1], m))
+            return _InFlight(owner, m, loss, leaves, mean)
+        assert nxt is not None
+        sent = boundary.encode(self.kind, x, ids, sender=params, stage=self.s, fixed=self.fixed)
+        out = {"message": sent}
+        if self.kind != "none":
+            out["ids"] = ids.to(ids_dtype(self.config.model.vocab_size))
+        if self.kind == "mapl":
+            out["basis"] = params["basis"]
+        self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner,
+                         v=self._view(owner), tensors=out)
+        return _InFlight(owner, m, sent, leaves)
+
+    def _micro_slice(self, rows: torch.Tensor, m: int) -> torch.Tensor:
+        """Micro-batch m's rows of the replica's batch (ids or targets)."""
+        b = self._micro()
+        return rows[:, m * b:(m + 1) * b]
+
+    def _received(self, g: int, h: int, m: int, owner: int, prev: tuple[int, int],
+                  params: dict[str, torch.Tensor],
+                  batch: tuple[torch.Tensor, torch.Tensor] | None,
+                  leaves: dict[str, torch.Tensor],
+                  valid: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The previous stage's message for micro-batch m, decoded: (x, the token ids). The
+        message (and a MAPL basis) become the leaves whose gradients go back (`leaves`)."""
+        got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner, v=self._view(owner),
+                                 expect=self._act_expect(), timeout_s=self.timeout_s,
+                                 valid=valid)
+        message = got.tensors["message"].requires_grad_(True)
+        leaves["message"] = message
+        ids = (got.tensors["ids"].long() if "ids" in got.tensors
+               else self._micro_slice(batch[0], m) if batch is not None else None)
+        basis = None
+        if self.kind == "mapl":
+            basis = got.tensors["basis"].requires_grad_(True)
+            leaves["basis"] = basis
+        x = boundary.decode(self.kind, message, ids, receiver=params, stage=self.s,
+                            basis=basis, fixed=self.fixed)
+        return x, ids
+
+    def _loss(self, g: int, h: int, step: StepPlan, owner: int, params: dict[str, torch.Tensor],
+              x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The last stage's loss of a micro-batch, weighted as the step plan weighs its
+        replica and divided by the micro-batches (what its backward starts from), and its
+        mean training loss."""
+        mean = head_losses(params, x, targets)
+        if not bool(torch.isfinite(mean).all()):
+            raise TrainingDiverged(f"non-finite training loss at global step {g}, "
+                                   f"inner step {h}: {mean.tolist()}")
+        loss = (mean * step.loss_weight[owner:owner + 1].float()).sum()
+        return (loss / self.M if self.M > 1 else loss), float(mean.detach())
+
+    def _backward(self, g: int, h: int, step: StepPlan, micro: _InFlight,
+                  valid: Callable[[], bool]) -> None:
+        """Micro-batch `micro` back through this stage: from its loss (last stage) or the
+        gradient the next stage returns for the message sent, then the gradient of what this
+        stage received goes to the previous stage."""
+        prev, nxt = self._neighbours(step, micro.owner)
+        v = self._view(micro.owner)
+        if self.s == self.S - 1:
+            micro.output.backward()
+        else:
+            assert nxt is not None
+            got = self.inbox.receive("grad", nxt, g=g, h=h, m=micro.m, owner=micro.owner, v=v,
+                                     expect=self._grad_expect(), timeout_s=self.timeout_s,
+                                     valid=valid)
+            if self.kind == "mapl":
+                # the receiver's decode gradient of the basis it was sent joins the encode's in
+                # one backward, summed where the simulator sums them
+                torch.autograd.backward([micro.output, micro.leaves["sent_basis"]],
+                                        [got.tensors["message"], got.tensors["basis"]])
+            else:
+                micro.output.backward(got.tensors["message"])
+        if self.s != 0:
+            assert prev is not None
+            grads = {"message": micro.leaves["message"].grad}
+            if self.kind == "mapl":
+                grads["basis"] = micro.leaves["basis"].grad
+            self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=micro.m,
+                             owner=micro.owner, v=v, tensors=grads)
 
     def _params_used(self, step: StepPlan) -> dict[str, torch.Tensor]:
         """The stage's tensors as the forward uses them: a round that reroutes through this
