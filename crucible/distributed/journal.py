@@ -36,10 +36,11 @@ def count_lives(records: list[dict[str, Any]]) -> int:
 
 def died_in(out: Path) -> int:
     """The global step the last life was in when it died: after its last round record, not
-    before a round it was to train from (`caught_up`) or was killed at (`kill`)."""
+    before a round it was to train from (`caught_up`; a pipeline stage's `rejoin`) or was
+    killed at (`kill`). The same for a replica's folder and a pipeline stage's."""
     steps = [r["global_step"] + 1 for r in read_jsonl(Path(out) / ROUNDS)]
     steps += [r["global_step"] for r in read_jsonl(Path(out) / FILE)
-              if r.get("kind") in ("caught_up", "kill")]
+              if r.get("kind") in ("caught_up", "kill", "rejoin")]
     return max(steps, default=0)
 
 

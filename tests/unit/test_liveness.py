@@ -185,6 +185,10 @@ def test_the_round_a_life_died_in(tmp_path: Path) -> None:
     (tmp_path / "process.jsonl").write_text(json.dumps(
         {"kind": "caught_up", "global_step": 8, "replica": 0, "wall": 1.0}) + "\n")
     assert died_in(tmp_path) == 8
+    # a pipeline stage's later life rejoined at step 9 (its journal says `rejoin`) and died in it
+    with open(tmp_path / "process.jsonl", "a") as fh:
+        fh.write(json.dumps({"kind": "rejoin", "global_step": 9, "stage": 1, "wall": 2.0}) + "\n")
+    assert died_in(tmp_path) == 9
 
 
 def test_every_replica_has_a_restart_budget_and_bad_budgets_are_refused() -> None:

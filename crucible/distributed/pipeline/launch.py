@@ -37,8 +37,9 @@ import torch
 import zmq
 
 from crucible.config import Config, ConfigError
+from crucible.distributed.journal import died_in
 from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox, Shaping
-from crucible.distributed.pipeline.stage import check_pipeline, died_in_round, stage_dir
+from crucible.distributed.pipeline.stage import check_pipeline, stage_dir
 from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
 from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic
@@ -216,7 +217,7 @@ def _notify(out: Path, notices: Outbox, addresses: dict[str, str], *, r: int, s:
     """Tell every stage process that stage `s` of replica `r` died unplanned (in the round
     after its last round record) and whether it comes back; recorded in `notices.jsonl`."""
     control = {"event": "dead", "replica": r, "stage": s,
-               "round": died_in_round(stage_dir(out, r, s)), "gone": gone}
+               "round": died_in(stage_dir(out, r, s)), "gone": gone}
     for key, address in addresses.items():
         if key != f"{r},{s}":
             notices.send(address, "ctl", g=0, h=0, m=0, tensors={}, control=control)

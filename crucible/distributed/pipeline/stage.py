@@ -51,7 +51,7 @@ from torch import nn
 from crucible import boundary
 from crucible.config import Config, ConfigError
 from crucible.data import TokenData, load_tokens
-from crucible.distributed.journal import Journal
+from crucible.distributed.journal import Journal, died_in
 from crucible.distributed.pipeline.links import (
     Expect,
     Inbox,
@@ -464,7 +464,7 @@ class StageWorker:
         if last.get("kind") == "kill" and last.get("planned") and last.get("life") == life - 1:
             dead = rejoin = int(last["global_step"])      # the plan's: down from that round
         else:   # unplanned: it dies in the round after its last round record
-            dead = died_in_round(self.out)
+            dead = died_in(self.out)
             self.journal.record("kill", dead, stage=self.s, planned=False, rejoin=True,
                                 life=life - 1)
             rejoin = dead + 1
@@ -1035,17 +1035,9 @@ class StageWorker:
         self.momentum[0] = wide[2][at]
 
 
-def died_in_round(folder: Path) -> int:
-    """The round a stage process that died unplanned was in: the one after its last round
-    record (the launcher and the next life both read it so)."""
-    from crucible.runfiles import read_jsonl
-
-    rounds = read_jsonl(folder / "rounds.jsonl") if (folder / "rounds.jsonl").exists() else []
-    journal = read_jsonl(folder / "process.jsonl") if (folder / "process.jsonl").exists() else []
-    after = int(rounds[-1]["global_step"]) + 1 if rounds else 0
-    # a life that rejoined at step j and died before finishing it died in j
-    rejoined = [int(r["global_step"]) for r in journal if r.get("kind") == "rejoin"]
-    return max([after, *rejoined])
+# the round a stage process that died unplanned was in (the launcher and the next life both
+# read it so): the replica mode's rule, `journal.died_in`, under the name its importers use
+died_in_round = died_in
 
 
 def _die_with_launcher() -> None:
