@@ -42,7 +42,7 @@ from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox, 
 from crucible.distributed.pipeline.stage import check_pipeline, stage_dir
 from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
-from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic
+from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic, write_text_atomic
 
 __all__ = ["launch_pipeline", "run_identity", "stage_command", "free_ports", "DEFAULT_RESTARTS"]
 
@@ -79,7 +79,7 @@ def _start(run_dir: Path, replica: int, stage: int) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(stage_command(run_dir, replica, stage), stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        (folder / "pid").write_text(f"{proc.pid}\n")   # which process is this stage now
+        write_text_atomic(folder / "pid", f"{proc.pid}\n")   # which process is this stage now
         return proc
     finally:
         log_file.close()
@@ -374,9 +374,7 @@ def merge_pipeline(out: Path, config: Config, *, wall_s: float,
     rounds.sort(key=lambda x: (x["global_step"], x["replica"], x["stage"]))
     notices = read_jsonl(out / "notices.jsonl") if (out / "notices.jsonl").exists() else []
     _write_records(out, config, evals, rounds, notices, lost or [])
-    with open(out / "rounds.jsonl", "w") as fh:
-        for row in rounds:
-            fh.write(json.dumps(row) + "\n")
+    write_text_atomic(out / "rounds.jsonl", "".join(json.dumps(row) + "\n" for row in rounds))
     final = evals[-1] if evals else None
     result = {
         "mode": "pipeline", "replicas": R, "stages": S, "wall_s": wall_s,
