@@ -270,3 +270,35 @@ def test_every_replica_of_a_stage_killed_in_one_round_rejoins(tmp_path: Path) ->
     for r in (0, 1):
         kinds = [x["kind"] for x in _journal(tmp_path, r, 1)]
         assert kinds[-3:] == ["kill", "restart", "rejoin"], kinds
+
+
+@pytest.mark.slow
+def test_a_reroute_donor_whose_replica_drops_takes_its_borrower_along(tmp_path: Path) -> None:
+    """Under reroute replica 0 runs stage 1 on replica 1's (its own is down by plan); a real
+    kill of replica 1's stage 2 drops replica 1 for the rest of the round, so its stage 1 serves
+    nobody: replica 0 drops too instead of waiting for its donor until the link timeout (it
+    once did, and the run failed)."""
+    import threading
+
+    from crucible.distributed.pipeline.chaos import Kill, Killer
+
+    config = _config("none", "reroute", steps=7, p=0.0)
+    plan = FaultPlan().down(replica=0, stage=1, start=2, steps=4)
+    out = tmp_path / "pipe"
+    result: dict = {}
+    launch = threading.Thread(target=lambda: result.update(summary=launch_pipeline(
+        config, out_dir=out, plan=plan, link_timeout_s=40)))
+    launch.start()
+    killer = Killer(out, [Kill(replica=1, stage=2, global_step=3, fraction=0.3)], stages=4,
+                    alive=launch.is_alive)
+    killer.start()
+    launch.join()
+    killer.join()
+    assert killer.error is None and killer.done[0]["outcome"] == "killed", killer.done
+    summary = result["summary"]
+    assert summary["pipeline"]["replicas_agree"] and summary["pipeline"]["lost"] == []
+    (notice,) = summary["pipeline"]["notices"]
+    dropped = {(row["replica"], row["global_step"]) for row in
+               (json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines())
+               if row["dropped"]}
+    assert {(0, notice["round"]), (1, notice["round"])} <= dropped, dropped

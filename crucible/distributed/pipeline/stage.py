@@ -373,21 +373,22 @@ class StageWorker:
     def _chain_dead(self, g: int, step: StepPlan) -> set[tuple[int, int]]:
         """The unplanned deaths of round g in the chains this process runs micro-batches for:
         a stage of its replica, or a donor stage one of those micro-batches passes through.
-        A death elsewhere changes nothing here."""
-        owners = set(self._owners(step)) | {self.r}
-        out = set()
-        for q, t in self._dead_now(g):
-            route = step.route.get(t)
-            if q in owners or (route is not None
-                               and any(int(route[o]) == q for o in owners)):
-                out.add((q, t))
-        return out
+        A death elsewhere changes nothing here. Under reroute a death anywhere in a donor
+        replica counts: it drops that replica, whose stages then serve nobody."""
+        needed = set(self._owners(step)) | {self.r}
+        while True:                       # the replicas whose stages these chains pass through
+            more = {int(idx[o]) for idx in step.route.values() for o in needed} - needed
+            if not more:
+                break
+            needed |= more
+        return {(q, t) for q, t in self._dead_now(g) if q in needed}
 
     def _effective(self, g: int) -> StepPlan:
         """The round's step plan with the unplanned deaths known now: under skip an inner
         stage is bypassed (the replica's other stages go on); otherwise (drop, reroute, or a
         first or last stage) the replica drops its tokens for the rest of the round, as does
-        every replica whose micro-batches pass through the dead stage as a donor."""
+        every replica whose micro-batches pass through a stage of a dropped replica as a
+        donor."""
         step = plan_step(self.plan, g, config=self.config)
         dead = self._dead_now(g)
         if not dead:
@@ -407,6 +408,15 @@ class StageWorker:
             route = step.route.get(t)
             if route is not None:
                 dropped |= {p for p in range(self.R) if int(route[p]) == q}
+            # a dropped replica's stages serve nobody for the rest of the round, so a replica
+            # whose micro-batches pass through any of them as a donor drops too (or it would
+            # wait for its donor until the link timeout); to a fixed point, donors of donors
+            while True:
+                more = {p for idx in step.route.values() for p in range(self.R)
+                        if int(idx[p]) in dropped and p not in dropped}
+                if not more:
+                    break
+                dropped |= more
             for p in dropped:
                 step.loss_weight[p] = 0.0
                 step.active[p] = False
