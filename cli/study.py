@@ -147,7 +147,11 @@ def _run_real(spec_path: Path, *, seeds: str | None, dry_run: bool, echo: Any) -
         for cell in todo:
             echo(f"  {cell}")
         return 0
-    made = run_study(spec, seeds=allowed, scratch=Path("runs") / spec.name, log=echo)
+    try:
+        made = run_study(spec, seeds=allowed, scratch=Path("runs") / spec.name, log=echo)
+    except StudyError as exc:
+        echo(f"error: {exc}", err=True)
+        return 1
     echo(f"study {spec.name}: {len(made)} cells made")
     return 0
 

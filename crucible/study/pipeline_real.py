@@ -196,25 +196,38 @@ def refused_seeds(spec: RealSpec, here: str) -> dict[int, str]:
 # -- running ------------------------------------------------------------------------------------
 def run_study(spec: RealSpec, *, seeds: list[int] | None = None, scratch: Path,
               log: Any = print) -> list[str]:
-    """Run every cell of `spec` (of `seeds`) without a result yet; returns the cells made."""
+    """Run every cell of `spec` (of `seeds`) without a result yet; returns the cells made.
+    A cell that fails is logged and left without a result (StudyError at the end, naming
+    it); the others still run."""
     import torch
 
     torch.set_num_threads(1)
     done = load_real_results(spec)
-    made = []
+    made: list[str] = []
+    failed: list[str] = []
     for arm, strategy, seed in all_cells(spec):
         cell = cell_id(arm, strategy, seed)
         if (seeds is not None and seed not in seeds) or cell in done:
             continue
         started = time.time()
-        result = (_base_cell if strategy == "base" else _kill_cell)(
-            spec, arm, strategy, seed, scratch / cell)
+        try:
+            result = (_base_cell if strategy == "base" else _kill_cell)(
+                spec, arm, strategy, seed, scratch / cell)
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            # a failed cell writes nothing (it runs again next time) and stops no other
+            log(f"{cell}: FAILED ({type(exc).__name__}: {exc}); scratch kept in "
+                f"{scratch / cell}")
+            failed.append(cell)
+            continue
         result["study"].update(_provenance(), cell=cell, arm=arm, strategy=strategy,
                                seed=seed, rate=spec.rate, wall_s=time.time() - started)
         from crucible.runfiles import write_json_atomic
         write_json_atomic(spec.results_dir / f"{cell}.json", result)
         made.append(cell)
         log(f"{cell}: done in {time.time() - started:.0f} s")
+    if failed:
+        raise StudyError(f"{len(failed)} cell(s) failed: {', '.join(failed)} (their logs are "
+                         f"in {scratch}); the others are kept; run the study again to retry")
     return made
 
 

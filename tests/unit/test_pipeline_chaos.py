@@ -59,3 +59,17 @@ def test_the_realized_plan_runs_from_each_death_to_its_rejoin(tmp_path: Path) ->
         {"replica": 0, "stage": 1, "start": 3, "duration": 2},
         {"replica": 0, "stage": 1, "start": 9, "duration": 3}]
 
+
+
+def test_a_stage_just_killed_reads_as_down_until_its_next_life_rejoins(tmp_path: Path) -> None:
+    from crucible.distributed.pipeline.chaos import Killer
+
+    _journal(tmp_path, 0, 1, [{"kind": "start", "global_step": 0, "wall": 1.0}])
+    killer = Killer(tmp_path, [], stages=4, alive=lambda: True)
+    assert killer._training(0, 1)
+    killer.killed[(0, 1)] = 5.0              # killed; the journal still says "start"
+    assert not killer._training(0, 1)
+    _journal(tmp_path, 0, 1, [{"kind": "start", "global_step": 0, "wall": 1.0},
+                              {"kind": "kill", "global_step": 3, "planned": False, "wall": 6.0},
+                              {"kind": "rejoin", "global_step": 4, "wall": 7.0}])
+    assert killer._training(0, 1)

@@ -121,6 +121,18 @@ class Killer(threading.Thread):
         self.timeout_s = timeout_s
         self.done: list[dict[str, Any]] = []
         self.error: BaseException | None = None
+        self.killed: dict[tuple[int, int], float] = {}   # this killer's last kill of each
+
+    def _training(self, r: int, s: int) -> bool:
+        """Whether stage-replica (r, s) trains now: its journal says so, and a kill of ours
+        is followed by its next life's rejoin (until that life writes, a process killed a
+        moment ago still reads as training in its journal)."""
+        journal = _journal(self.run_dir, r, s)
+        at = self.killed.get((r, s))
+        if at is not None and not any(x.get("kind") == "rejoin" and float(x["wall"]) > at
+                                      for x in journal):
+            return False
+        return _training(journal)
 
     def run(self) -> None:
         try:
@@ -150,10 +162,10 @@ class Killer(threading.Thread):
             if len(walls) > 1 else 0.3
         time.sleep(kill.fraction * round_s)
         pid = _live_pid(self.run_dir, r, s)
-        if pid is None or not _training(_journal(self.run_dir, r, s)):
+        if pid is None or not self._training(r, s):
             return {"outcome": "skipped", "why": "down or coming back"}
         others = range(1, self.stages - 1)
-        if any(not _training(_journal(self.run_dir, r, t)) for t in others if t != s):
+        if any(not self._training(r, t) for t in others if t != s):
             # the simulator's plans hold one failed stage per replica at a time: a second
             # death in a replica while one is down would make a schedule it cannot replay
             return {"outcome": "skipped", "why": "another stage of the replica is down"}
@@ -162,6 +174,7 @@ class Killer(threading.Thread):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return {"outcome": "skipped", "why": "exited meanwhile"}
+        self.killed[(r, s)] = at
         log.info("killed stage %d of replica %d (pid %d) in round %d", s, r, pid, g)
         return {"outcome": "killed", "pid": pid, "wall": at, "round_s": round_s}
 
