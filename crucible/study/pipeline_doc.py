@@ -214,6 +214,33 @@ def _wall_sentences(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def _in_short(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The document's answer in two sentences, from the rows."""
+    decided = [r for r in rows if r["diff"].half is not None]
+    if not decided:
+        return ["In short: too few seeds for an interval yet."]
+    counts: dict[str, list[str]] = {}
+    for r in decided:
+        counts.setdefault(_reads(r["diff"]).split(" (")[0], []).append(
+            f"{r['arm']} / {r['strategy']}")
+    widest = max(r["diff"].half for r in decided)
+    loss = "; ".join(f"{word}: {', '.join(names)}" for word, names in sorted(counts.items()))
+    text = [f"In short. Loss: real deaths against the simulator's replay of the same schedule, "
+            f"paired by seed at 95% ({loss}; the widest interval ±{widest:.2f} points)."]
+    planned = [r["model_planned"].mean for r in rows if r["model_planned"].mean is not None]
+    learned = [r["model_learned"].mean for r in rows if r["model_learned"].mean is not None]
+    slow = [r["slowdown"].mean for r in rows if r["slowdown"].mean is not None]
+    if planned and learned and slow:
+        text.append(
+            f"Wall-clock: real deaths made the runs {min(slow):.2f}-{max(slow):.2f}x as long as "
+            f"the same seeds' runs without kills; the cost model pricing them as planned "
+            f"failures (the simulator's view) predicts {min(planned):.2f}-{max(planned):.2f} of "
+            f"the measured wall-clock, and with the restart each death makes the next round "
+            f"wait for, {min(learned):.2f}-{max(learned):.2f} (means over seeds per arm and "
+            "strategy; intervals below).")
+    return [" ".join(text)]
+
+
 def render_real(spec: RealSpec) -> str:
     """The document's text (deterministic: the same results give the same bytes)."""
     results = load_real_results(spec)
@@ -243,7 +270,7 @@ def render_real(spec: RealSpec) -> str:
         "simulator's plans fail one stage of a replica at a time). The simulator then runs the "
         "same config with the failure schedule the kills made (each death from the round it "
         "happened in to the round its next life rejoined): the replay.",
-        "", *_provenance(results), ""]
+        "", *_provenance(results), "", *_in_short(rows), ""]
     if spec.notes:
         lines += [spec.notes, ""]
     lines += [
