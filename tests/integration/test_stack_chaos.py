@@ -452,11 +452,23 @@ def _chaos(stack: Stack) -> None:
             if end["event"] == "end":
                 assert (before["event"], before["pid"], before["flow_run_id"]) == \
                     ("start", end["pid"], end["flow_run_id"]), told
-    # the second cell: killed with the sweep, stopped with the stack, then completed; the
-    # others once each
+    # the others once each; the second cell killed with the sweep, then either stopped with
+    # the stack and trained to its end by the last re-run, or trained to its end during the
+    # stop's grace period (serve gives a flow run 30 s; the training thread goes on meanwhile)
+    # and not trained again
     starts = {run_id: sum(x["event"] == "start" for x in lines)
               for run_id, lines in journals.items()}
-    assert starts == {run_id: 3 if run_id == second else 1 for run_id in journals}, told
+    assert starts.pop(second) in (2, 3), told
+    assert set(starts.values()) == {1}, told
+    rerun = [x for x in journals[second] if x["pid"] == line["pid"]]
+    assert rerun[0]["event"] == "start" and (len(journals[second]) == 3) == \
+        (rerun[-1].get("outcome") == "completed"), told
+
+    # stack.sh appends to the logs: the killed serve's lines are still there, after each start's
+    # marker
+    serve_log = (stack.dir / "logs" / "serve.log").read_text(errors="replace")
+    assert serve_log.count("infra/stack.sh starts serve ====") == 3
+    assert f"flow-run/{sweep1}" in serve_log
 
     # no slot held, no flow run open
     assert stack.active_slots() == 0
