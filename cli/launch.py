@@ -128,7 +128,7 @@ def launch_main(argv: list[str]) -> int:
                               "faults.strategy)")
         if args.pipeline:
             from crucible.distributed.pipeline.links import Shaping
-            from crucible.distributed.pipeline.stage import check_pipeline
+            from crucible.distributed.pipeline.stage_model import check_pipeline
             check_pipeline(config, micro_batches=args.micro_batches)
             if args.link_timeout <= 0:
                 raise ConfigError(f"--link-timeout must be > 0 seconds, got {args.link_timeout}")

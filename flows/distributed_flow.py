@@ -69,7 +69,7 @@ def resolve_distributed_config(preset: str, overrides: list[str], nproc: int,
     (or with `pipeline`, the pipeline mode) refuses (a strategy, method or setting it cannot
     run, a kill outside the run; the pipeline mode's kills are the fault plan's)."""
     from crucible.distributed.launch import check_kills
-    from crucible.distributed.pipeline.stage import check_pipeline
+    from crucible.distributed.pipeline.stage_model import check_pipeline
     from crucible.distributed.worker import check_distributed
 
     if nproc < 1:

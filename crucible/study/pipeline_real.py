@@ -89,7 +89,7 @@ def _need(data: dict[str, Any], key: str, kind: type, path: Path, example: str) 
 def load_real_spec(path: str | os.PathLike[str]) -> RealSpec:
     """Parse and check a real-failure study spec; StudyError names the field and the fix."""
     from crucible.config import ConfigError
-    from crucible.distributed.pipeline.stage import check_pipeline
+    from crucible.distributed.pipeline.stage_model import check_pipeline
 
     path = Path(path).resolve()
     try:
@@ -328,7 +328,7 @@ def _recoveries(out: Path, kills: list[dict[str, Any]], notices: list[dict[str, 
                 ) -> list[dict[str, Any]]:
     """Per kill that happened: the round it died in, the launcher's notice, the next life's
     restart and rejoin, in seconds after the signal (the stage journal's records)."""
-    from crucible.distributed.pipeline.stage import stage_dir
+    from crucible.distributed.pipeline.stage_model import stage_dir
     from crucible.runfiles import read_jsonl
 
     rows = []

@@ -88,7 +88,7 @@ def _check(args: argparse.Namespace) -> tuple[Config, FaultPlan, Shaping]:
     """The run's config, fault plan and link shaping; ConfigError naming the option (or the
     config key) and the fix for bad input."""
     from crucible.distributed.launch import check_recovery
-    from crucible.distributed.pipeline.stage import check_pipeline
+    from crucible.distributed.pipeline.stage_model import check_pipeline
 
     _defaults(args)
     if args.kill or args.kill_forever:

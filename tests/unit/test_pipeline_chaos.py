@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from crucible.distributed.pipeline.chaos import draw_kills, realized_plan
-from crucible.distributed.pipeline.stage import stage_dir
+from crucible.distributed.pipeline.stage_model import stage_dir
 
 
 def test_the_same_seed_draws_the_same_kills_and_another_seed_others() -> None:

@@ -21,7 +21,7 @@ from crucible.distributed.pipeline.links import (
     dense,
     ids_dtype,
 )
-from crucible.distributed.pipeline.stage import check_pipeline
+from crucible.distributed.pipeline.stage_model import check_pipeline
 from crucible.presets import get_preset
 
 SHAPE = (1, 2, 4, 8)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from crucible.distributed.pipeline.stage import stage_dir
+from crucible.distributed.pipeline.stage_model import stage_dir
 from crucible.faults import Failure, FaultPlan
 from crucible.runfiles import read_jsonl
 from crucible.seeding import generator

@@ -39,7 +39,7 @@ import zmq
 from crucible.config import Config, ConfigError
 from crucible.distributed.journal import died_in
 from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox, Shaping
-from crucible.distributed.pipeline.stage import check_pipeline, stage_dir
+from crucible.distributed.pipeline.stage_model import check_pipeline, stage_dir
 from crucible.faults import FaultPlan, plan_for
 from crucible.model_file import MODEL_FILE, load_global_weights, save_global_weights
 from crucible.runfiles import append_jsonl, read_jsonl, write_json_atomic, write_text_atomic

@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 
 from crucible.config import Config
+from crucible.distributed.journal import died_in
 from crucible.distributed.pipeline.launch import (
     _notify,
     _planned_death,
@@ -44,7 +45,7 @@ from crucible.distributed.pipeline.launch import (
     merge_pipeline,
 )
 from crucible.distributed.pipeline.links import LAUNCHER, LinkCounters, Outbox, Shaping
-from crucible.distributed.pipeline.stage import died_in_round, stage_dir
+from crucible.distributed.pipeline.stage_model import stage_dir
 from crucible.runfiles import read_jsonl, write_json_atomic
 
 __all__ = ["supervise", "merge_pods", "STATE_FILE", "main"]
@@ -111,7 +112,7 @@ def _announce_unseen(run_dir: Path, notices: Outbox, ident: dict[str, Any], *, r
     folder = stage_dir(run_dir, replica, stage)
     if _planned_death(run_dir, replica, stage, life=life):
         return
-    died = died_in_round(folder)
+    died = died_in(folder)
     path = run_dir / "notices.jsonl"
     if any((n["replica"], n["stage"], n["round"]) == (replica, stage, died)
            for n in (read_jsonl(path) if path.exists() else [])):

@@ -29,6 +29,13 @@ With one micro-batch per inner step (`--micro-batches 1`, the default) the arith
 simulator's, operation for operation, on one replica row: the run ends on the simulator's bits
 where the two run on one arithmetic. More micro-batches sum per-micro-batch gradients (fp32
 round-off from the whole-batch gradient).
+
+`StageWorker` is this process: its links and state, its lives (`start`, the restore after a
+restart) and its rounds (`run`: the inner steps, each with its AdamW and Stiefel step, then the
+outer round). Its parts, each a mixin it builds on: `schedule` (one inner step's micro-batches,
+fill-drain), `verdicts` (the first stage's clip-or-retry verdict of each inner step), `deaths`
+(the unplanned deaths heard of and the round's step plan they make); `stage_model` holds the
+stage's model, the run's checks and the stage's folder.
 """
 from __future__ import annotations
 
@@ -39,159 +46,45 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
-from torch import nn
 
 from crucible import boundary
-from crucible.config import Config, ConfigError
+from crucible.config import Config
 from crucible.data import TokenData, load_tokens
 from crucible.distributed.journal import Journal, died_in
+from crucible.distributed.pipeline.deaths import DeathWatch
 from crucible.distributed.pipeline.links import (
     Expect,
     Inbox,
     Interrupted,
     LinkCounters,
-    LinkTimeout,
     Outbox,
     Received,
     Shaping,
-    ids_dtype,
 )
+from crucible.distributed.pipeline.schedule import MicroBatches
+from crucible.distributed.pipeline.stage_model import StageModel, check_pipeline, stage_dir
 from crucible.distributed.sync import ReplicaSync
-from crucible.distributed.worker import clip_coefficient
-from crucible.errors import TrainingDiverged
 from crucible.faults import FaultPlan
-from crucible.model import (
-    block_forward,
-    embed_forward,
-    head_losses,
-    layers_of,
-    reparametrised,
-    rope_tables,
-    stage_layout,
-)
+from crucible.model import rope_tables, stage_layout
 from crucible.model_file import save_global_weights
 from crucible.optim import ReplicaAdamW, lr_at
-from crucible.pipeline import initial_tensor
 from crucible.runfiles import append_jsonl, write_json_atomic
 from crucible.store import open_store
-from crucible.strategy import StepPlan, plan_step
+from crucible.strategy import plan_step
 
-__all__ = ["StageModel", "StageWorker", "check_pipeline", "stage_dir", "main", "GRACE_S"]
-
-# the `coef` of a sibling's report that it holds no verdict of the attempt (`_report_verdicts`)
-_NO_VERDICT = -2.0
-# after a death notice, how long the first stage waits for a message the dead stage may have sent
-# just before it died (it travels on another connection than the launcher's notice)
-GRACE_S = 0.3
+__all__ = ["StageWorker", "run_stage", "main"]
 
 log = logging.getLogger(__name__)
 
 
-def stage_dir(run_dir: Path, replica: int, stage: int) -> Path:
-    return run_dir / "stages" / f"r{replica}-s{stage}"
-
-
-def check_pipeline(config: Config, *, micro_batches: int = 1) -> None:
-    """Refuse what the pipeline mode cannot run, naming the key and the fix."""
-    pipe = config.pipeline
-    if micro_batches < 1 or config.train.batch_size % micro_batches:
-        raise ConfigError(f"--micro-batches={micro_batches} must be >= 1 and divide "
-                          f"train.batch_size={config.train.batch_size}; pick a divisor")
-    if pipe.stages < 2:
-        raise ConfigError(f"pipeline.stages={pipe.stages}: the pipeline mode needs at least 2 "
-                          "stages (a process per stage); use pipeline.stages >= 2")
-    if config.faults.p > 0 and config.faults.strategy == "skip" and pipe.stages < 3:
-        raise ConfigError("faults.strategy=skip needs an inner stage to skip: "
-                          f"pipeline.stages={pipe.stages}; use pipeline.stages >= 3")
-    if config.faults.p > 0 and config.faults.strategy == "drop_extend":
-        raise ConfigError("faults.strategy=drop_extend extends the run by a token count summed "
-                          "over every replica, which no stage process knows; use skip, drop or "
-                          "reroute (or the simulator, `crucible run`)")
-    if (config.faults.p > 0 and config.faults.strategy in ("skip", "reroute")
-            and pipe.compression == "mapl" and pipe.bypass_decode != "sender"):
-        raise ConfigError(f"pipeline.bypass_decode={pipe.bypass_decode} needs the skipped "
-                          "stage's basis, which lives in the dead process; the pipeline mode "
-                          "decodes a bypassed MAPL message with its sender's basis: use "
-                          "pipeline.bypass_decode=sender")
-    if config.sparseloco.method != "sparseloco":
-        raise ConfigError(f"sparseloco.method={config.sparseloco.method} is not supported in the "
-                          "pipeline mode; use sparseloco.method=sparseloco or the simulator")
-    if config.train.device == "cuda":
-        raise ConfigError("train.device=cuda: the pipeline mode runs its stages on the CPU; "
-                          "use train.device=auto or cpu")
-    for key, value in (("store.keep_rounds", config.store.keep_rounds),
-                       ("train.checkpoint_every", config.train.checkpoint_every),
-                       ("train.tail_average", config.train.tail_average)):
-        if value:
-            raise ConfigError(f"{key} must be 0 in the pipeline mode (a restarted stage "
-                              "restores the global weights from the store); use the simulator "
-                              "for it")
-
-
-class StageModel(nn.Module):
-    """Stage `stage` of one replica: its tensors with a replica axis of 1, the simulator's row.
-
-    It offers what `crucible.sync.OuterSync` asks of a model (`R`, `stage_params`,
-    `replica_weights`, `set_stage`) for its own stage; every other stage is empty."""
-
-    def __init__(self, config: Config, stage: int) -> None:
-        super().__init__()
-        self.config, self.stage, self.R = config, stage, 1
-        self.layout = stage_layout(config, stage)
-        self.params = nn.ParameterDict({
-            spec.name: nn.Parameter(initial_tensor(config, spec, stage=stage)[None].clone())
-            for spec in self.layout})
-
-    def stage_params(self, stage: int) -> dict[str, nn.Parameter]:
-        return dict(self.params.items()) if stage == self.stage else {}
-
-    def replica_weights(self, *, replica: int, stage: int) -> dict[str, torch.Tensor]:
-        return {n: p.detach()[replica].clone() for n, p in self.stage_params(stage).items()}
-
-    @torch.no_grad()
-    def set_stage(self, stage: int, weights: dict[str, torch.Tensor],
-                  replicas: torch.Tensor | None = None) -> None:
-        for name, param in self.stage_params(stage).items():
-            param.copy_(weights[name].expand_as(param))
-
-
-@dataclass
-class _InFlight:
-    """A micro-batch between its forward and its backward on this stage."""
-    owner: int                            # the replica whose micro-batch it is
-    m: int
-    output: torch.Tensor                  # where its backward starts: the loss, or the message sent
-    leaves: dict[str, torch.Tensor]       # the message (and basis) received; the basis sent
-    loss: float | None = None             # its mean training loss (the last stage)
-
-
-class _DeathWatch:
-    """What the outer round's wait asks of its peers (`ReplicaSync.watch`): a stage-replica the
-    launcher reported dead in a round is not waited for in it (nor after, when it is gone)."""
-
-    def __init__(self, worker: StageWorker) -> None:
-        self.worker = worker
-
-    def refresh(self) -> None:
-        self.worker.inbox.drain()
-
-    def waits_for(self, replica: int, global_step: int) -> bool:
-        return ((replica, self.worker.s) not in self.worker._dead_now(global_step)
-                and not self.worker._dropped_by_death(replica, global_step))
-
-    def round_over(self, global_step: int) -> None:
-        """Nothing to forget: a death is tied to its round."""
-
-
-class StageWorker:
-    """Stage `stage` of replica `replica` of the run in `run_dir` (its `run.json`)."""
+class StageWorker(MicroBatches):
+    """Stage `stage` of replica `replica` of the run in `run_dir` (its `run.json`). It holds
+    the state its parts read and write: `MicroBatches` over `Verdicts` over `DeathBook`."""
 
     def __init__(self, run_dir: Path, replica: int, stage: int) -> None:
         ident = json.loads((run_dir / "run.json").read_text())
@@ -220,7 +113,7 @@ class StageWorker:
         self.momentum = torch.zeros_like(self.params["basis"]) if "basis" in self.params else None
         self.sync = ReplicaSync(config, self.model, store=self.store, run_key=self.run_key,
                                 replica=replica, stages=[stage])
-        self.sync.watch = _DeathWatch(self)
+        self.sync.watch = DeathWatch(self)
         self.fixed = boundary.fixed_tensors(config)
         hd = config.model.d_model // config.model.heads
         self.rope = rope_tables(config.model.seq_len, hd, config.model.rope_base)
@@ -260,30 +153,7 @@ class StageWorker:
         self.tokens = 0
         self.next_step = 0
 
-    # -- shapes the links expect -------------------------------------------------------------
-    def _width(self) -> int:
-        return boundary.message_width(self.config)
-
-    def _micro(self) -> int:
-        return self.config.train.batch_size // self.M
-
-    def _act_expect(self) -> dict[str, Expect]:
-        m, T = self.config.model, self.config.model.seq_len
-        shape = (1, self._micro(), T)
-        out = {"message": Expect(torch.float32, (*shape, self._width()))}
-        if self.kind != "none":
-            out["ids"] = Expect(ids_dtype(m.vocab_size), shape, below=m.vocab_size)
-        if self.kind == "mapl":
-            out["basis"] = Expect(torch.float32, (1, m.d_model, self._width()))
-        return out
-
-    def _grad_expect(self) -> dict[str, Expect]:
-        act = self._act_expect()
-        out = {"message": act["message"]}
-        if self.kind == "mapl":
-            out["basis"] = act["basis"]
-        return out
-
+    # -- what the inbox accepts -----------------------------------------------------------
     def _expect_for(self, header: dict[str, Any]) -> dict[str, Expect] | None:
         """What a message must hold, by its kind and sender (None: not expected from it)."""
         q, t = header["src"]
@@ -308,158 +178,6 @@ class StageWorker:
             return n * torch.empty(0, dtype=e.dtype).element_size()
         most = sum(size(e) for e in self._act_expect().values())
         return max(most, 8 * (sum(self.adamw_counts) + 1))
-
-    # -- deaths the launcher reports ---------------------------------------------------------
-    def _control(self, control: dict[str, Any]) -> None:
-        """A control message: an unplanned death of a stage-replica (`dead`), with the round
-        it died in and whether it will come back (`gone`: no life left)."""
-        if control.get("event") != "dead":
-            return
-        try:
-            q, t, d = int(control["replica"]), int(control["stage"]), int(control["round"])
-            gone = bool(control.get("gone", False))
-        except (KeyError, TypeError, ValueError):
-            log.warning("refused a control message: %r", control)
-            return
-        if not (0 <= q < self.R and 0 <= t < self.S) or (q, t) == (self.r, self.s):
-            return
-        self.deaths[(q, t)] = (d, gone)
-        if (q, t) == (self.r, 0) and self.s != 0 and self.position is not None:
-            self._report_verdicts()
-        if d < self.round and not gone:
-            # it died after its last round and is back in this one: what this process sent
-            # it in this step died with it, so it goes again to its next life
-            self.resend_to.add(self.addresses[f"{q},{t}"])
-        log.info("r%d s%d: stage %d of replica %d died in global step %d%s", self.r, self.s, t,
-                 q, d, " for good" if gone else "")
-
-    def _resend(self) -> None:
-        for address in sorted(self.resend_to):
-            if address in self.outbox.sockets:
-                count = self.outbox.resend(address)
-                if count:
-                    log.info("r%d s%d: sent %d messages again to %s", self.r, self.s, count,
-                             address)
-        self.resend_to.clear()
-
-    def _dead_now(self, g: int) -> set[tuple[int, int]]:
-        """The stage-replicas that are down in round g by an unplanned death: in the round
-        they died in, and in every later one when they will not come back."""
-        return {key for key, (d, gone) in self.deaths.items() if g == d or (gone and g > d)}
-
-    def _contributes(self, g: int, base: StepPlan) -> torch.Tensor:
-        """Who contributes to round g's outer round: the plan's, less its own replica when an
-        unplanned death dropped one of its inner steps of the round (as the simulator's drop: a
-        dropped replica contributes nothing, its partial round is discarded). Every live stage
-        of the replica took the same outcome of every inner step (`_clip`), so they all
-        contribute or none does, whenever the notice of the death reached each; a peer that
-        has heard of the death does not wait for the replica's contribution."""
-        contributes = base.contributes.clone()
-        if self.round_dropped:
-            contributes[self.r] = False
-        return contributes
-
-    def _dropped_by_death(self, replica: int, g: int) -> bool:
-        """Whether an unplanned death known now (not the plan) dropped `replica`'s tokens in
-        round g. The outer round's wait asks it of every peer at every poll, so the answer
-        is kept until the round or the deaths known in it change."""
-        key = (g, frozenset(self._dead_now(g)))
-        if self._dropped_memo is None or self._dropped_memo[0] != key:
-            seen, planned = self._effective(g), plan_step(self.plan, g, config=self.config)
-            self._dropped_memo = (key, {p for p in range(self.R) if bool(
-                seen.loss_weight[p] == 0) and not bool(planned.loss_weight[p] == 0)})
-        return replica in self._dropped_memo[1]
-
-    def _chain_dead(self, g: int, step: StepPlan) -> set[tuple[int, int]]:
-        """The unplanned deaths of round g in the chains this process runs micro-batches for:
-        a stage of its replica, or a donor stage one of those micro-batches passes through.
-        A death elsewhere changes nothing here. Under reroute a death anywhere in a donor
-        replica counts: it drops that replica, whose stages then serve nobody."""
-        needed = set(self._owners(step)) | {self.r}
-        while True:                       # the replicas whose stages these chains pass through
-            more = {int(idx[o]) for idx in step.route.values() for o in needed} - needed
-            if not more:
-                break
-            needed |= more
-        return {(q, t) for q, t in self._dead_now(g) if q in needed}
-
-    def _effective(self, g: int) -> StepPlan:
-        """The round's step plan with the unplanned deaths known now: under skip an inner
-        stage is bypassed (the replica's other stages go on); otherwise (drop, reroute, or a
-        first or last stage) the replica drops its tokens for the rest of the round, as does
-        every replica whose micro-batches pass through a stage of a dropped replica as a
-        donor."""
-        step = plan_step(self.plan, g, config=self.config)
-        dead = self._dead_now(g)
-        if not dead:
-            return step
-        step = StepPlan(down=step.down.clone(), bypass=step.bypass.clone(),
-                        active=step.active.clone(), loss_weight=step.loss_weight.clone(),
-                        route={t: idx.clone() for t, idx in step.route.items()},
-                        donors=dict(step.donors), extra_load=step.extra_load)
-        strategy = self.config.faults.strategy
-        for q, t in sorted(dead):
-            step.down[q, t] = True
-            step.active[q, t] = False
-            if strategy == "skip" and 0 < t < self.S - 1:
-                step.bypass[q, t] = True
-                continue
-            dropped = {q}
-            route = step.route.get(t)
-            if route is not None:
-                dropped |= {p for p in range(self.R) if int(route[p]) == q}
-            # a dropped replica's stages serve nobody for the rest of the round, so a replica
-            # whose micro-batches pass through any of them as a donor drops too (or it would
-            # wait for its donor until the link timeout); to a fixed point, donors of donors
-            while True:
-                more = {p for idx in step.route.values() for p in range(self.R)
-                        if int(idx[p]) in dropped and p not in dropped}
-                if not more:
-                    break
-                dropped |= more
-            for p in dropped:
-                step.loss_weight[p] = 0.0
-                step.active[p] = False
-        return step
-
-    # -- who does what this round -----------------------------------------------------------
-    def _own_live(self, step: StepPlan) -> list[int]:
-        """This replica's stages whose processes are up this round (they exchange norms)."""
-        return [t for t in range(self.S) if not bool(step.down[self.r, t])]
-
-    @staticmethod
-    def _server(step: StepPlan, replica: int, stage: int) -> int:
-        """The replica whose stage `stage` runs `replica`'s micro-batches (reroute: a donor)."""
-        route = step.route.get(stage)
-        return replica if route is None else int(route[replica])
-
-    def _chain(self, step: StepPlan, owner: int) -> list[tuple[int, int]]:
-        """The processes `owner`'s micro-batches pass through this round, in order: every
-        stage not bypassed, each at its server."""
-        return [(self._server(step, owner, t), t) for t in range(self.S)
-                if not bool(step.bypass[owner, t])]
-
-    def _neighbours(self, step: StepPlan, owner: int) -> tuple[tuple[int, int] | None,
-                                                               tuple[int, int] | None]:
-        chain = self._chain(step, owner)
-        at = chain.index((self.r, self.s))
-        return (chain[at - 1] if at > 0 else None,
-                chain[at + 1] if at + 1 < len(chain) else None)
-
-    def _owners(self, step: StepPlan) -> list[int]:
-        """Whose micro-batches this process runs this round: its own replica's (when that
-        processes tokens), then every replica it is the donor for, ascending."""
-        owners = [] if bool(step.loss_weight[self.r] == 0) else [self.r]
-        route = step.route.get(self.s)
-        if route is not None:
-            owners += [q for q in range(self.R) if q != self.r and int(route[q]) == self.r
-                       and bool(step.loss_weight[q] > 0)]
-        # ascending: a donor's gradient sums its batches in replica order, as the simulator's
-        # gather does
-        return sorted(owners)
-
-    def _address(self, replica: int, stage: int) -> str:
-        return self.addresses[f"{replica},{stage}"]
 
     # -- a life ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -501,12 +219,6 @@ class StageWorker:
                 self.data.batch(replica=self.r, batch_size=self.config.train.batch_size)
         self.journal.record("rejoin", rejoin, stage=self.s)
 
-    def _read_notices(self) -> None:
-        """The launcher's notices of unplanned deaths so far (`notices.jsonl`; `_control`)."""
-        if self.notices.exists():
-            from crucible.runfiles import read_jsonl
-            for notice in read_jsonl(self.notices):
-                self._control(notice)
 
     def _trained_through(self, rejoin: int, dead: int) -> int:
         """The last round before `rejoin` in which some stage-replica of this stage trained
@@ -652,367 +364,6 @@ class StageWorker:
                 self.inbox.forget(self.r, g=g, h=h, below=self.attempt)
         return total / counted if counted else None
 
-    def _micro_batches(self, g: int, h: int, step: StepPlan,
-                       batch: tuple[torch.Tensor, torch.Tensor] | None,
-                       dead: set[tuple[int, int]]) -> float | None:
-        """Fill-drain: every micro-batch this process runs (its replica's, then those it is the
-        donor for) forward, then every one backward. Returns the mean training loss of its own
-        micro-batches on the last stage (None elsewhere). Raises Interrupted when a death in
-        the chains it runs (since the attempt began, `dead`) or the first stage's retry makes
-        a message it waits for never come."""
-        def valid() -> bool:   # nothing in the chains it runs died since the attempt began
-            return self._chain_dead(g, step) == dead and not self._abort_waiting(g, h)
-
-        # fill
-        in_flight = [self._forward(g, h, step, owner, m, batch, valid)
-                     for owner in self._owners(step) for m in range(self.M)]
-        # drain
-        for micro in in_flight:
-            self._backward(g, h, step, micro, valid)
-        self._average_donor_gradients(step)
-        losses = [micro.loss for micro in in_flight if micro.loss is not None]
-        return sum(losses) / len(losses) if losses else None
-
-    def _view(self, owner: int) -> int:
-        """The view a message of `owner`'s micro-batch carries: this replica's attempt for its
-        own; 0 for one it is the donor for (that replica's retries are not known here)."""
-        return self.attempt if owner == self.r else 0
-
-    def _forward(self, g: int, h: int, step: StepPlan, owner: int, m: int,
-                 batch: tuple[torch.Tensor, torch.Tensor] | None,
-                 valid: Callable[[], bool]) -> _InFlight:
-        """Micro-batch m of `owner` through this stage: its input (the replica's tokens on the
-        first stage, else the previous stage's message, decoded), the stage's blocks, then
-        the loss (last stage) or the encoded message sent to the next stage."""
-        prev, nxt = self._neighbours(step, owner)
-        params = self._params_used(step)
-        leaves: dict[str, torch.Tensor] = {}
-        if "basis" in params:
-            leaves["sent_basis"] = params["basis"]
-        if self.s == 0:
-            assert batch is not None and owner == self.r
-            ids = self._micro_slice(batch[0], m)
-            x = embed_forward(params, ids,
-                              subspace=self.fixed.subspace if self.kind == "ssn" else None,
-                              token_table=self.fixed.token_table)
-        else:
-            assert prev is not None
-            x, ids = self._received(g, h, m, owner, prev, params, batch, leaves, valid)
-        subspace = self.fixed.subspace if reparametrised(self.config, self.s) else None
-        for layer in layers_of(self.config, self.s):
-            x = block_forward(params, layer, x, config=self.config, rope=self.rope,
-                              subspace=subspace)
-        if self.s == self.S - 1:
-            assert batch is not None and owner == self.r
-            loss, mean = self._loss(g, h, step, owner, params, x, self._micro_slice(batch[1], m))
-            return _InFlight(owner, m, loss, leaves, mean)
-        assert nxt is not None
-        sent = boundary.encode(self.kind, x, ids, sender=params, stage=self.s, fixed=self.fixed)
-        out = {"message": sent}
-        if self.kind != "none":
-            out["ids"] = ids.to(ids_dtype(self.config.model.vocab_size))
-        if self.kind == "mapl":
-            out["basis"] = params["basis"]
-        self.outbox.send(self._address(*nxt), "act", g=g, h=h, m=m, owner=owner,
-                         v=self._view(owner), tensors=out)
-        return _InFlight(owner, m, sent, leaves)
-
-    def _micro_slice(self, rows: torch.Tensor, m: int) -> torch.Tensor:
-        """Micro-batch m's rows of the replica's batch (ids or targets)."""
-        b = self._micro()
-        return rows[:, m * b:(m + 1) * b]
-
-    def _received(self, g: int, h: int, m: int, owner: int, prev: tuple[int, int],
-                  params: dict[str, torch.Tensor],
-                  batch: tuple[torch.Tensor, torch.Tensor] | None,
-                  leaves: dict[str, torch.Tensor],
-                  valid: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The previous stage's message for micro-batch m, decoded: (x, the token ids). The
-        message (and a MAPL basis) become the leaves whose gradients go back (`leaves`)."""
-        got = self.inbox.receive("act", prev, g=g, h=h, m=m, owner=owner, v=self._view(owner),
-                                 expect=self._act_expect(), timeout_s=self.timeout_s,
-                                 valid=valid)
-        message = got.tensors["message"].requires_grad_(True)
-        leaves["message"] = message
-        ids = (got.tensors["ids"].long() if "ids" in got.tensors
-               else self._micro_slice(batch[0], m) if batch is not None else None)
-        basis = None
-        if self.kind == "mapl":
-            basis = got.tensors["basis"].requires_grad_(True)
-            leaves["basis"] = basis
-        x = boundary.decode(self.kind, message, ids, receiver=params, stage=self.s,
-                            basis=basis, fixed=self.fixed)
-        return x, ids
-
-    def _loss(self, g: int, h: int, step: StepPlan, owner: int, params: dict[str, torch.Tensor],
-              x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The last stage's loss of a micro-batch, weighted as the step plan weighs its
-        replica and divided by the micro-batches (what its backward starts from), and its
-        mean training loss."""
-        mean = head_losses(params, x, targets)
-        if not bool(torch.isfinite(mean).all()):
-            raise TrainingDiverged(f"non-finite training loss at global step {g}, "
-                                   f"inner step {h}: {mean.tolist()}")
-        loss = (mean * step.loss_weight[owner:owner + 1].float()).sum()
-        return (loss / self.M if self.M > 1 else loss), float(mean.detach())
-
-    def _backward(self, g: int, h: int, step: StepPlan, micro: _InFlight,
-                  valid: Callable[[], bool]) -> None:
-        """Micro-batch `micro` back through this stage: from its loss (last stage) or the
-        gradient the next stage returns for the message sent, then the gradient of what this
-        stage received goes to the previous stage."""
-        prev, nxt = self._neighbours(step, micro.owner)
-        v = self._view(micro.owner)
-        if self.s == self.S - 1:
-            micro.output.backward()
-        else:
-            assert nxt is not None
-            got = self.inbox.receive("grad", nxt, g=g, h=h, m=micro.m, owner=micro.owner, v=v,
-                                     expect=self._grad_expect(), timeout_s=self.timeout_s,
-                                     valid=valid)
-            if self.kind == "mapl":
-                # the receiver's decode gradient of the basis it was sent joins the encode's in
-                # one backward, summed where the simulator sums them
-                torch.autograd.backward([micro.output, micro.leaves["sent_basis"]],
-                                        [got.tensors["message"], got.tensors["basis"]])
-            else:
-                micro.output.backward(got.tensors["message"])
-        if self.s != 0:
-            assert prev is not None
-            grads = {"message": micro.leaves["message"].grad}
-            if self.kind == "mapl":
-                grads["basis"] = micro.leaves["basis"].grad
-            self.outbox.send(self._address(*prev), "grad", g=g, h=h, m=micro.m,
-                             owner=micro.owner, v=v, tensors=grads)
-
-    def _params_used(self, step: StepPlan) -> dict[str, torch.Tensor]:
-        """The stage's tensors as the forward uses them: a round that reroutes through this
-        stage gathers every replica's tensors of it by the route (the simulator's
-        `_gathered`), which copies them (a MAPL basis then leaves its column-major layout, and
-        its products round otherwise): the same gather here, of the one row."""
-        if self.s not in step.route:
-            return self.params
-        row = torch.zeros(1, dtype=torch.long)
-        return {n: p[row] for n, p in self.params.items()}
-
-    @torch.no_grad()
-    def _average_donor_gradients(self, step: StepPlan) -> None:
-        """A donor's stage holds the gradients of its own micro-batch and of each replica it
-        served: divided by the number of batches, as the simulator's trainer does."""
-        if step.extra_load is None or not int(step.extra_load[self.r, self.s]):
-            return
-        load = step.extra_load[self.r:self.r + 1, self.s]
-        scale = (1.0 / (1.0 + load.double())).float()
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.mul_(scale.view(-1, *([1] * (p.dim() - 1))))
-
-    def _abort_waiting(self, g: int, h: int) -> bool:
-        """Whether this attempt is over already, so waiting for anything else in it is
-        pointless: on the first stage, a stage of its replica said it cannot finish it (norms
-        of -1); on any other, the first stage's retry verdict for it has arrived."""
-        for key, entry in self.inbox.waiting.items():
-            if (key[1][0] != self.r or key[2:4] != (g, h) or key[6] != self.attempt
-                    or entry[0] is not None):
-                continue
-            if self.s == 0 and key[0] == "norms" and bool(
-                    (entry[1].tensors["norms"] < 0).any()):
-                return True
-            if self.s != 0 and key[0] == "clip" and float(entry[1].tensors["coef"][0]) < 0:
-                return True
-        return False
-
-    def _verdict_expect(self) -> dict[str, Expect]:
-        return {"coef": Expect(torch.float32, (1,)), "dead": Expect(torch.uint8, (self.S,))}
-
-    @torch.no_grad()
-    def _clip(self, g: int, h: int, step: StepPlan) -> bool:
-        """Global-norm clipping over the replica's whole model, decided by its first stage:
-        every other live stage sends its per-tensor norms to it, and it answers each with the
-        clipping factor (computed at the simulator's width, a down stage's tensors as zeros,
-        in the simulator's tensor order). A factor below 0 says the step runs again (a stage
-        of the chain died before it had done its part). Returns whether the step completed
-        (its gradients then clipped).
-
-        The verdict is the attempt's one outcome at every live stage of the replica: a stage
-        that sent its norms takes the verdict even when a death has dropped the replica
-        meanwhile (the first stage answers every stage it asked, `_decide` and `_abandon`),
-        and when the first stage itself died the survivors take the verdict any of them got
-        (`_survivors_verdict`)."""
-        params = self.optimizer.parameters()
-        grads = [p.grad for p in params if p.grad is not None]
-        mine = torch.stack([torch.linalg.vector_norm(g_.flatten(1), dim=1)[0] for g_ in grads])
-        v = self.attempt
-        if self.s != 0:
-            if self.r not in self._owners(step):
-                return False   # a donor of a dropped replica: its first stage decides nothing
-            self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
-                             v=v, tensors={"norms": mine})
-            coef = self._await_verdict(g, h)
-        else:
-            coef = self._decide(g, h, step, mine)
-        if coef is None:
-            return False
-        if bool((coef < 1.0).any()):
-            for g_ in grads:
-                g_.mul_(coef.view(-1, *([1] * (g_.dim() - 1))))
-        return True
-
-    def _await_verdict(self, g: int, h: int) -> torch.Tensor | None:
-        """The first stage's answer for this attempt: the factor, or None (run it again, with
-        the deaths it names). It comes unless the first stage dies; then the answer is the
-        one some survivor of the replica took, or None if none did (`_survivors_verdict`)."""
-        try:
-            got: Received | None = self.inbox.receive(
-                "clip", (self.r, 0), g=g, h=h, m=0, owner=self.r, v=self.attempt,
-                expect=self._verdict_expect(), timeout_s=self.timeout_s,
-                valid=lambda: (self.r, 0) not in self._dead_now(g))
-        except Interrupted:
-            got = self._survivors_verdict(g, h)
-        if got is None:
-            return None
-        self.last_verdict = ((g, h, self.attempt), got)
-        for t in torch.nonzero(got.tensors["dead"]).flatten().tolist():
-            self.deaths.setdefault((self.r, int(t)), (g, False))
-        coef = got.tensors["coef"]
-        return None if float(coef[0]) < 0 else coef
-
-    def _report_verdicts(self) -> None:
-        """The first stage of this replica died (the launcher's notice): tell every live
-        sibling what this stage holds of its verdicts, once per attempt. The verdict of the
-        attempt it is in, if it took it or it has arrived, else `_NO_VERDICT`, after which a
-        copy still arriving from the dead stage is not used (the siblings may have decided
-        without it); and the last verdict it took, if for an earlier attempt (a sibling may
-        still be waiting for it)."""
-        assert self.position is not None
-        at = self.position
-        if at in self.reported:
-            return
-        g, h, v = at
-        held = self.last_verdict[1] if self.last_verdict and self.last_verdict[0] == at else None
-        if held is None:
-            arrived = self.inbox.waiting.get(("clip", (self.r, 0), g, h, 0, self.r, v))
-            held = arrived[1] if arrived is not None and arrived[0] is None else None
-        self.reported[at] = held
-        reports = {at: held.tensors if held is not None else {
-            "coef": torch.full((1,), _NO_VERDICT), "dead": torch.zeros(self.S, dtype=torch.uint8)}}
-        if self.last_verdict is not None and self.last_verdict[0] != at:
-            reports[self.last_verdict[0]] = self.last_verdict[1].tensors
-        for t in range(1, self.S):
-            if t == self.s or (self.r, t) in self._dead_now(g):
-                continue
-            for (g_, h_, v_), tensors in reports.items():
-                self.outbox.send(self._address(self.r, t), "clip", g=g_, h=h_, m=0,
-                                 owner=self.r, v=v_, tensors=tensors)
-
-    def _survivors_verdict(self, g: int, h: int) -> Received | None:
-        """The verdict of this attempt when the first stage died before this stage took it:
-        the one this stage had when it heard (`_report_verdicts`), else the one any live
-        sibling reports, else None (no survivor has one: the first stage cannot have answered
-        any). Each live sibling reports this attempt, or an earlier one it is still in (then
-        it never sent this attempt's norms, so no verdict of it exists)."""
-        v = self.attempt
-        at = (g, h, v)
-        if at not in self.reported:
-            self._report_verdicts()
-        if self.reported[at] is not None:
-            return self.reported[at]
-        pending = set(range(1, self.S)) - {self.s}
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            pending = {t for t in pending if (self.r, t) not in self._dead_now(g)}
-            for key, entry in list(self.inbox.waiting.items()):
-                kind, (q, t), g_, h_, _, owner, v_ = key
-                if (kind != "clip" or q != self.r or t not in pending or owner != self.r
-                        or entry[0] is not None or (g_, h_, v_) > at):
-                    continue
-                if (g_, h_, v_) == at and float(entry[1].tensors["coef"][0]) != _NO_VERDICT:
-                    log.info("r%d s%d: the verdict of inner step %d.%d attempt %d from stage %d "
-                             "(the first stage died)", self.r, self.s, g, h, v, t)
-                    return entry[1]
-                pending.discard(t)
-            if not pending:
-                return None
-            if time.monotonic() >= deadline:
-                raise LinkTimeout(f"stages {sorted(pending)} of replica {self.r} did not report "
-                                  f"their verdicts of step {g}.{h} attempt {v} within "
-                                  f"{self.timeout_s:.1f} s of its first stage's death")
-            self.inbox.drain(timeout_s=0.05)
-
-    def _decide(self, g: int, h: int, step: StepPlan, mine: torch.Tensor) -> torch.Tensor | None:
-        """The first stage's verdict for this attempt, sent to every live stage of the
-        replica: the clipping factor when every live stage sent its norms (a stage that died
-        after sending them had done its part), else a retry."""
-        v = self.attempt
-        live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
-        parts: dict[int, torch.Tensor] = {0: mine}
-        complete = True
-        for t in live:
-            expect = {"norms": Expect(torch.float32, (self.adamw_counts[t],))}
-            try:
-                got = self.inbox.receive("norms", (self.r, t), g=g, h=h, m=0, owner=self.r,
-                                         v=v, expect=expect, timeout_s=self.timeout_s,
-                                         valid=lambda t=t: (self.r, t) not in self._dead_now(g))
-            except Interrupted:   # it died: did its norms make it out first?
-                time.sleep(GRACE_S)
-                got = self.inbox.take("norms", (self.r, t), g=g, h=h, m=0, owner=self.r, v=v,
-                                      expect=expect)
-                if got is None:
-                    complete = False
-                    continue
-            if bool((got.tensors["norms"] < 0).any()):   # it could not finish the step
-                complete = False
-                continue
-            parts[t] = got.tensors["norms"]
-        coef = None
-        if complete:
-            column = [parts.get(t, torch.zeros(self.adamw_counts[t])) for t in range(self.S)]
-            coef = clip_coefficient(torch.cat(column), self.config.train.grad_clip,
-                                    replica=self.r, replicas=self.R)
-        self._send_verdict(g, h, live, coef)
-        return coef
-
-    def _send_verdict(self, g: int, h: int, live: list[int], coef: torch.Tensor | None) -> None:
-        dead = torch.zeros(self.S, dtype=torch.uint8)
-        for q, t in self._dead_now(g):
-            if q == self.r:
-                dead[t] = 1
-        verdict = {"coef": coef if coef is not None else torch.full((1,), -1.0),
-                   "dead": dead}
-        if coef is None:
-            log.info("r%d: inner step %d.%d attempt %d runs again (stages %s down)", self.r, g,
-                     h, self.attempt, torch.nonzero(dead).flatten().tolist())
-        for t in live:
-            if (self.r, t) not in self._dead_now(g):
-                self.outbox.send(self._address(self.r, t), "clip", g=g, h=h, m=0, owner=self.r,
-                                 v=self.attempt, tensors=verdict)
-
-    def _abandon(self, g: int, h: int, step: StepPlan) -> bool:
-        """This attempt met a death in its chain before the stage finished its part: the
-        first stage answers every live stage with a retry (a stage that sent its norms waits
-        for it, even when the replica drops); any other stage tells the first it cannot
-        finish (norms of -1) and, unless the replica drops, takes its verdict (the deaths it
-        names). Returns False (not done), or True if the first stage says the step completed
-        (it cannot: without this stage's norms there is no complete verdict)."""
-        dropped = bool(self._effective(g).loss_weight[self.r] == 0)
-        if self.s == 0:
-            if not dropped:
-                # a peer's abort may come before the launcher's notice of the death behind
-                # it: let the notice land, so that the retry names the dead stage
-                time.sleep(GRACE_S)
-                self.inbox.drain()
-            live = [t for t in range(1, self.S) if not bool(step.down[self.r, t])]
-            self._send_verdict(g, h, live, None)
-            return False
-        log.info("r%d s%d: inner step %d.%d attempt %d met a death; telling the first stage",
-                 self.r, self.s, g, h, self.attempt)
-        marker = -torch.ones(self.adamw_counts[self.s])
-        self.outbox.send(self._address(self.r, 0), "norms", g=g, h=h, m=0, owner=self.r,
-                         v=self.attempt, tensors={"norms": marker})
-        if dropped:
-            return False
-        return self._await_verdict(g, h) is not None
-
     def _update(self, lr: float) -> None:
         active = torch.ones(1, 1, dtype=torch.bool)
         self.optimizer.step(lr=lr, active=active)
@@ -1043,11 +394,6 @@ class StageWorker:
                               beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps, mask=mask)
         basis.data[0] = wide[0][at]
         self.momentum[0] = wide[2][at]
-
-
-# the round a stage process that died unplanned was in (the launcher and the next life both
-# read it so): the replica mode's rule, `journal.died_in`, under the name its importers use
-died_in_round = died_in
 
 
 def _die_with_launcher() -> None:
