@@ -193,10 +193,6 @@ class DeathBook:
         return step
 
     # -- who does what this round -----------------------------------------------------------
-    def _own_live(self, step: StepPlan) -> list[int]:
-        """This replica's stages whose processes are up this round (they exchange norms)."""
-        return [t for t in range(self.S) if not bool(step.down[self.r, t])]
-
     @staticmethod
     def _server(step: StepPlan, replica: int, stage: int) -> int:
         """The replica whose stage `stage` runs `replica`'s micro-batches (reroute: a donor)."""
