@@ -10,6 +10,7 @@ the flows and the registry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -359,7 +360,9 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    # the config classes' annotations never change; resolving them is most of a from_dict
     return typing.get_type_hints(cls)
 
 

@@ -70,11 +70,12 @@ def _t_cdf(t: float, df: int) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=8192)
 def t_quantile(prob: float, df: int) -> float:
     """The `prob` quantile of Student's t with `df` degrees of freedom (bisection on the CDF).
     Cached: a sweep's summary asks for the same few (level, seeds) pairs for every cell, and
-    each bisection costs ~3 ms."""
+    each bisection costs ~1 ms; the study's price section asks for two levels at every df up
+    to MAX_SEEDS per comparison (a cache smaller than that recomputed them all, each time)."""
     if not 0.0 < prob < 1.0:
         raise ValueError(f"prob must be in (0, 1), got {prob!r}")
     if df < 1:
@@ -82,6 +83,8 @@ def t_quantile(prob: float, df: int) -> float:
     lo, hi = -1e3, 1e3
     for _ in range(200):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):   # lo and hi are adjacent floats: later steps change nothing
+            break
         if _t_cdf(mid, df) < prob:
             lo = mid
         else:
