@@ -286,13 +286,36 @@ def _encode_rows(x: torch.Tensor, geo: Geometry) -> tuple[torch.Tensor, list[byt
     chunks.scatter_(2, local, (kept - decoded).reshape(local.shape))
     residual = (chunks.reshape(G, grid_r, grid_c, geo.block_rows, geo.block_cols)
                 .permute(0, 1, 3, 2, 4).reshape(G, geo.rows, geo.cols))
-    # the packed indices and codes of every row, side by side: one copy to the host
-    packed = torch.cat([_pack_rows12(local.reshape(G, geo.n_values)), _pack_rows2(codes)],
-                       dim=1).cpu().numpy()
+    packed = _packed_rows(local.reshape(G, geo.n_values), codes)
     scalars = torch.cat([shift.double()[:, None], scale[:, None], table.double()], dim=1)
-    tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + row.tobytes()
+    tails = [_QUANT.pack(geo.block_rows, geo.block_cols, geo.k, sh, sc, *tb) + row
              for (sh, sc, *tb), row in zip(scalars.tolist(), packed, strict=True)]
     return residual, tails
+
+
+def _packed_rows(local: torch.Tensor, codes: torch.Tensor) -> list[bytes]:
+    """Per row of `local` and `codes` (G, n): its packed indices, then its packed codes, as
+    `_wire.pack_indices12` and `_wire.pack_codes2` pack one row. Off the CPU the packing runs
+    on the device and the packed rows come to the host in one copy; on the CPU it runs in numpy,
+    whose small integer operations cost a fraction of torch's per call (a round packs about 45
+    groups of rows), and rows whose packing ends on a whole byte group pack as one buffer."""
+    if local.device.type != "cpu":
+        packed = torch.cat([_pack_rows12(local), _pack_rows2(codes)], dim=1).cpu().numpy()
+        return [row.tobytes() for row in packed]
+    n = codes.shape[1]
+    indices = _pack_each(_wire.pack_indices12, local.numpy(), whole=n % 2 == 0)
+    values = _pack_each(_wire.pack_codes2, codes.numpy(), whole=n % 4 == 0)
+    return [ix + cd for ix, cd in zip(indices, values, strict=True)]
+
+
+def _pack_each(pack, rows: np.ndarray, *, whole: bool) -> list[bytes]:
+    """`pack(row)` of every row of `rows` (G, n); with `whole` (no row's packing shares a byte
+    group with the next row's) all rows are packed in one call and cut apart."""
+    if not whole:
+        return [pack(row) for row in rows]
+    flat = pack(rows.reshape(-1))
+    size = len(flat) // len(rows)
+    return [flat[i * size:(i + 1) * size] for i in range(len(rows))]
 
 
 def _quantise_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

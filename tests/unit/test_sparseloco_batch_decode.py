@@ -54,6 +54,8 @@ def _assert_same(batched: object, single: object) -> None:
         assert torch.equal(got.indices, part.indices), name
         assert got.values.dtype == part.values.dtype == torch.float32
         assert torch.equal(got.values, part.values), name
+        # the norm the batch took for the gather and the clipping is the single blob's own sum
+        assert got.norm_sq() == float(torch.sum(part.values.double() ** 2)), name
 
 
 def _reseal(body: bytes) -> bytes:
