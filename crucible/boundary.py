@@ -19,7 +19,7 @@ import torch
 from crucible.config import Config
 from crucible.seeding import generator
 
-__all__ = ["FixedTensors", "fixed_tensors", "encode", "decode", "message_width", "wire_bytes",
+__all__ = ["FixedTensors", "fixed_tensors", "anchor_term", "encode", "decode", "message_width", "wire_bytes",
            "msign", "retract", "stiefel_step", "stiefel_steps", "centred", "energy_kept", "largest_angle_deg",
            "principal_angles_deg"]
 
@@ -74,32 +74,44 @@ def _anchor(params: dict[str, torch.Tensor], ids: torch.Tensor, fixed: torch.Ten
     return table[rows, ids] @ fixed                            # (R, B, T, d)
 
 
+def anchor_term(params: dict[str, torch.Tensor], ids: torch.Tensor, *, stage: int,
+                fixed: FixedTensors) -> torch.Tensor:
+    """mapl: stage `stage`'s anchor term E_p[ids] P_p (R, B, T, d), what its decode adds back
+    and its encode takes off (`anchor=` of `decode` and `encode`)."""
+    assert fixed.anchors_fixed is not None
+    return _anchor(params, ids, fixed.anchors_fixed[stage])
+
+
 def encode(kind: str, x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor],
-           stage: int, fixed: FixedTensors) -> torch.Tensor:
-    """The message stage `stage` sends over boundary `stage`."""
+           stage: int, fixed: FixedTensors, anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """The message stage `stage` sends over boundary `stage`; mapl: `anchor` is the stage's
+    `anchor_term` when the caller already has it (computed here otherwise)."""
     if kind == "none":
         return x
     if kind == "ssn":
         return (x - fixed.token_table[ids]) @ fixed.subspace
-    anchors = fixed.anchors_fixed
-    assert anchors is not None
-    centred = x - _anchor(sender, ids, anchors[stage])
+    if anchor is None:
+        anchor = anchor_term(sender, ids, stage=stage, fixed=fixed)
+    centred = x - anchor
     return torch.matmul(centred.flatten(1, 2), sender["basis"]).view(*x.shape[:3], -1)
 
 
 def decode(kind: str, message: torch.Tensor, ids: torch.Tensor, *, receiver: dict[str, torch.Tensor],
-           stage: int, basis: torch.Tensor | None, fixed: FixedTensors) -> torch.Tensor:
+           stage: int, basis: torch.Tensor | None, fixed: FixedTensors,
+           anchor: torch.Tensor | None = None) -> torch.Tensor:
     """What stage `stage` reconstructs from a message; `basis` (R, d, k) is the mapl basis to
-    decode with (the sender's, or the receiver's under the naive bypass decode)."""
+    decode with (the sender's, or the receiver's under the naive bypass decode), `anchor` the
+    receiver's `anchor_term` when the caller already has it (computed here otherwise)."""
     if kind == "none":
         return message
     if kind == "ssn":
         return message @ fixed.subspace.T + fixed.token_table[ids]
-    anchors = fixed.anchors_fixed
-    assert anchors is not None and basis is not None
+    assert basis is not None
+    if anchor is None:
+        anchor = anchor_term(receiver, ids, stage=stage, fixed=fixed)
     R, B, T, k = message.shape
     x = torch.matmul(message.reshape(R, B * T, k), basis.transpose(1, 2)).view(R, B, T, -1)
-    return x + _anchor(receiver, ids, anchors[stage])
+    return x + anchor
 
 
 def centred(x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor], stage: int,

@@ -119,7 +119,8 @@ class ReplicatedPipeline(nn.Module):
                 taps: dict[int, torch.Tensor] | None = None,
                 inputs: dict[int, torch.Tensor] | None = None,
                 messages: dict[int, torch.Tensor] | None = None,
-                resume: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+                resume: tuple[int, torch.Tensor] | None = None,
+                last: int | None = None) -> torch.Tensor | None:
         """Per-replica mean loss (R',) for ids/targets (R', B, T), or (R', B) per sequence.
 
         `passthrough=True` replaces every encode/decode by the identity (a reference model with
@@ -129,7 +130,9 @@ class ReplicatedPipeline(nn.Module):
         crossed each boundary: {boundary s: message}. `resume=(s, message)` starts at stage s > 0
         from the message that crossed boundary s-1 (one that `messages` took from an earlier
         forward of the same ids and weights): stages 0..s-1 are not run again, and the result is
-        the same, bit for bit, as the whole forward's.
+        the same, bit for bit, as the whole forward's. `last=s < S-1` runs stages 0..s only and
+        returns None: for what `taps`/`inputs`/`messages` take of them (the values are the whole
+        forward's; the later stages and the loss are not computed).
 
         Without gradients or autocast, and with no `taps`/`inputs` asked for, a stage that every
         selected replica bypasses is not computed at all (its output would be replaced whole by
@@ -144,9 +147,14 @@ class ReplicatedPipeline(nn.Module):
         kind = "none" if passthrough else self.kind
         first = 0 if resume is None else resume[0]
         assert resume is None or 0 < first < self.S, f"resume at stage {first} of {self.S}"
+        assert last is None or first <= last < self.S - 1, f"last stage {last} of {self.S}"
         skip_whole = (bypass is not None and taps is None and inputs is None
                       and not torch.is_grad_enabled()
                       and not torch.is_autocast_enabled(ids.device.type))
+        # mapl without gradients: a stage's anchor term is computed once, for its decode and its
+        # encode (the same values; with gradients each use keeps its own path, so that the
+        # anchor table's gradient is summed as it always was)
+        share_anchor = self.kind == "mapl" and not passthrough and not torch.is_grad_enabled()
         if resume is None:
             x = embed_forward(params[0], ids, subspace=fixed.subspace if self.kind == "ssn" else None,
                               token_table=fixed.token_table)
@@ -159,9 +167,13 @@ class ReplicatedPipeline(nn.Module):
                 if messages is not None:
                     messages[s] = message
                 continue
+            anchor = None
             if s > 0:
+                if share_anchor:
+                    anchor = boundary.anchor_term(params[s], ids, stage=s, fixed=fixed)
                 x = boundary.decode(kind, message, ids, receiver=params[s], stage=s,
-                                    basis=self._decode_basis(params, s, bypass), fixed=fixed)
+                                    basis=self._decode_basis(params, s, bypass), fixed=fixed,
+                                    anchor=anchor)
                 if inputs is not None:
                     inputs[s] = x.detach()
             subspace = fixed.subspace if reparametrised(self.config, s) else None
@@ -171,13 +183,16 @@ class ReplicatedPipeline(nn.Module):
                 return head_losses(params[s], x, targets, per_sequence=per_sequence)
             if taps is not None:
                 taps[s] = x.detach()
-            sent = boundary.encode(kind, x, ids, sender=params[s], stage=s, fixed=fixed)
+            sent = boundary.encode(kind, x, ids, sender=params[s], stage=s, fixed=fixed,
+                                   anchor=anchor)
             if bypass is not None and s > 0 and bypass[:, s].any():
                 keep = bypass[:, s][:, None, None, None]
                 sent = torch.where(keep, self._bypassed(message, params, s), sent)
             message = sent
             if messages is not None:
                 messages[s] = message
+            if s == last:
+                return None
         raise AssertionError("unreachable: the last stage returns")
 
     def window_losses(self, ids: torch.Tensor, targets: torch.Tensor, *,

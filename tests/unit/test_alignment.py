@@ -203,3 +203,28 @@ def test_report_is_the_one_of_whole_forwards_bit_for_bit(
     whole = alignment_report(trainer.evaluator, windows=64)
     report.pop("seconds"), whole.pop("seconds")
     assert report == whole
+
+
+def test_the_basis_report_stops_after_the_last_boundary_and_is_the_whole_forwards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trained(tmp_path, "mapl")
+    model, S = trainer.model, trainer.S
+    ids = torch.cat([x for x, _ in trainer.validation])[None]
+    select = torch.tensor([0])
+    with torch.no_grad():
+        taps: dict[int, torch.Tensor] = {}
+        whole: dict[int, torch.Tensor] = {}
+        assert model(ids, ids, select=select, taps=taps, last=S - 2) is None
+        model(ids, ids, select=select, taps=whole)
+    assert sorted(taps) == list(range(S - 1))
+    assert all(torch.equal(taps[s], whole[s]) for s in whole)
+    stopped = trainer.evaluator.basis_report()
+    forward = type(model).forward
+    ran = []
+
+    def counted(self, *args, last=None, **kwargs):   # the report again, from whole forwards
+        ran.append(last)
+        return forward(self, *args, last=None, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counted)
+    assert trainer.evaluator.basis_report() == stopped and ran == [S - 2]

@@ -105,3 +105,32 @@ def test_mapl_bases_stay_orthonormal_and_loss_falls_over_200_updates():
         # it turned: 200 SPEL steps of at most lr radians each (0.6 rad = 34 degrees in all)
         angle = boundary.largest_angle_deg(boundary.initial_basis(cfg, s), a)
         assert angle > 5.0   # measured 10.7-14.7 at the default scale, ~1 at the old 0.1
+
+
+def test_mapl_forward_without_gradients_shares_anchors_and_gives_the_same_bits():
+    # without gradients each inner stage's anchor term is computed once for its decode and its
+    # encode; the losses (and every boundary's message) are those of the forward with gradients
+    cfg = tiny(**{"pipeline.compression": "mapl", "pipeline.stages": 4})
+    model = ReplicatedPipeline(cfg)
+    ids, targets = _batch(cfg)
+    built = []
+    anchor_term = boundary.anchor_term
+
+    def counted(*args, **kwargs):
+        built.append(kwargs["stage"])
+        return anchor_term(*args, **kwargs)
+
+    boundary.anchor_term = counted
+    try:
+        with_grad: dict[int, torch.Tensor] = {}
+        losses = model(ids, targets, messages=with_grad)
+        per_use = list(built)
+        built.clear()
+        with torch.no_grad():
+            without: dict[int, torch.Tensor] = {}
+            shared = model(ids, targets, messages=without)
+    finally:
+        boundary.anchor_term = anchor_term
+    assert per_use == [0, 1, 1, 2, 2, 3] and built == [0, 1, 2, 3]
+    assert torch.equal(shared, losses.detach())
+    assert all(torch.equal(without[s], with_grad[s].detach()) for s in with_grad)
