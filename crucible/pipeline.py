@@ -111,6 +111,12 @@ class ReplicatedPipeline(nn.Module):
         params = dict(self.stages[stage].items())
         if index is None:
             return params
+        if index.numel() == 1 and not torch.is_grad_enabled():
+            # one replica's weights without gradients (every evaluation of the global model): a
+            # view of its row, not a copy of every parameter per forward; the same contiguous
+            # values at an aligned offset, so the same bits
+            row = int(index)
+            return {n: p[row:row + 1] for n, p in params.items()}
         return {n: p[index] for n, p in params.items()}
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, *, bypass: torch.Tensor | None = None,

@@ -134,3 +134,27 @@ def test_mapl_forward_without_gradients_shares_anchors_and_gives_the_same_bits()
     assert per_use == [0, 1, 1, 2, 2, 3] and built == [0, 1, 2, 3]
     assert torch.equal(shared, losses.detach())
     assert all(torch.equal(without[s], with_grad[s].detach()) for s in with_grad)
+
+
+def test_one_selected_replica_without_gradients_is_read_in_place_with_the_same_bits():
+    # an evaluation (no gradients, one replica selected) runs on a view of that replica's row
+    # instead of a copy of every parameter per forward; the losses are the copying path's
+    for kind in ("none", "ssn", "mapl"):
+        cfg = tiny(**{"pipeline.compression": kind, "pipeline.stages": 4})
+        model = ReplicatedPipeline(cfg)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # every replica row its own weights
+            for s in range(model.S):
+                for p in model.stage_params(s).values():
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+        ids, targets = _batch(cfg)
+        for row in (0, cfg.replicas - 1):
+            select = torch.tensor([row])
+            window_ids, window_targets = ids[row][None], targets[row][None]
+            with torch.no_grad():
+                viewed = model.window_losses(window_ids, window_targets, select=select)
+                params = model._gathered(1, select)
+            copied = model.window_losses(window_ids, window_targets, select=select).detach()
+            assert torch.equal(viewed, copied), (kind, row)
+            own = model.stage_params(1)
+            assert all(p.data_ptr() == own[n][row].data_ptr() for n, p in params.items())
