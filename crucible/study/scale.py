@@ -43,7 +43,8 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
 def _pct(s: Any) -> str:
     from crucible.study.formatting import _pct as pct
 
-    return pct(s) if s.mean is None else f"{pct(s)} (n={s.n})"
+    # a single seed's text already says n=1
+    return pct(s) if s.mean is None or s.lo is None else f"{pct(s)} (n={s.n})"
 
 
 def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:

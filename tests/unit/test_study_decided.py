@@ -440,6 +440,10 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
             if line.startswith("| ") and "p = 0.2" in line}
     assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
+    assert "(n=3)" in rows["uncompressed skip, p = 0.2"]
+    # one seed of a size: its count is said once
+    from crucible.study.scale import _pct
+    assert _pct(stats.stat_of({0: 0.36})) == "+0.36% (n=1, no interval)"
 
 
 PROCESSES = """
