@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.reference import ReferenceLoop
-from benchmarks.sim_throughput import ARMS, arm_config
+from benchmarks.sim_throughput import ARMS, _timed, arm_config
 from crucible import boundary
 from crucible.config import Config, ConfigError, apply_overrides
 from crucible.events import JsonlCallback
@@ -61,13 +61,7 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
 def _timed_parts(trainer: Trainer, parts: dict[str, float]) -> Iterator[None]:
     """Add the seconds of each part of an inner step to `parts` while inside."""
     def wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                parts[name] += time.perf_counter() - started
-        return timed
+        return _timed(parts, name, fn)
 
     model, optimizer = trainer.model, trainer.optimizer
     saved = (model.forward, trainer._clip, optimizer.step, boundary.stiefel_steps,
