@@ -117,8 +117,7 @@ def decode(kind: str, message: torch.Tensor, ids: torch.Tensor, *, receiver: dic
 def centred(x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor], stage: int,
             fixed: FixedTensors) -> torch.Tensor:
     """What a MAPL basis projects at boundary `stage`: X - E_s[ids] P_s, (R, B, T, d)."""
-    assert fixed.anchors_fixed is not None
-    return x - _anchor(sender, ids, fixed.anchors_fixed[stage])
+    return x - anchor_term(sender, ids, stage=stage, fixed=fixed)
 
 
 def energy_kept(centred_x: torch.Tensor, basis: torch.Tensor) -> float:

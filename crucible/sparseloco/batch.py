@@ -215,6 +215,7 @@ def _unpacked_on_device(name: str, geo: Geometry, frames: list[_Frame], ok_host:
             ok &= local.diff(dim=2).reshape(B, -1).amin(dim=1) > 0
     return local, codes, ok
 
+
 def _unpack_rows12(raw: torch.Tensor, count: int) -> torch.Tensor:
     """`_wire.unpack_indices12` of every row of `raw` (B, bytes) uint8: (B, count) int64."""
     t = raw.reshape(raw.shape[0], -1, 3).to(torch.int32)
