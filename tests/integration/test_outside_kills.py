@@ -70,7 +70,9 @@ def _check_recovered(out: Path, *, killed_wall: float, gone_wall: float | None =
     starts = [r for r in read_jsonl(out / "replicas" / "replica-1" / "process.jsonl")
               if r["kind"] in ("start", "restart")]
     assert [r["life"] for r in starts] == list(range(len(starts)))
-    assert 0 < row["kill_to_restart_s"] < row["kill_to_rejoin_s"] < DEADLINE
+    # how soon it rejoins is bounded in steps (above), not seconds: starting a torchrun agent
+    # and a worker took 10.3 s in a loaded 2-core CI run, beside another test's processes
+    assert 0 < row["kill_to_restart_s"] < row["kill_to_rejoin_s"]
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     real = sorted((e["kind"], e["replica"]) for e in events if e["kind"].startswith("process_"))
     assert real == [("process_killed", 1), ("process_rejoined", 1), ("process_restarted", 1)]
