@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import provenance
 from crucible.config import apply_overrides
 from crucible.distributed.pipeline.launch import launch_pipeline
 from crucible.distributed.pipeline.links import Shaping
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.out / f"kill-{strategy}", kill_offset=args.offset)
         row.update(arm="none", case=f"kill -9 mid-round, {strategy}")
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = provenance.commit()
     if args.json:
         print(json.dumps({"commit": commit, "rows": rows}, indent=2))
         return 0

@@ -263,9 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     started = time.perf_counter()
     result: dict[str, Any] = {"python": sys.version.split()[0]}
-    head = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-    result["commit"] = head
+    from benchmarks import provenance  # the parent only: a child's path holds one `crucible`
+    result["commit"] = provenance.commit()
     if "codec" in args.only:
         result["codec"] = codec(args)
     if "overlap" in args.only:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.provenance import provenance
 from benchmarks.reference import ReferenceLoop, reference_tokens_per_s
 from crucible.config import Config, apply_overrides
 from crucible.events import JsonlCallback
@@ -261,9 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    started_on = provenance()
     result = measure(args.preset, arms=arms, repeats=args.repeats,
                      global_steps=args.global_steps, phases=args.phases, scratch=args.scratch,
                      interleave=args.interleave)
+    result["provenance"] = started_on
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.provenance import provenance
 from benchmarks.reference import ReferenceLoop
 from benchmarks.sim_throughput import ARMS, _timed, arm_config
 from crucible import boundary
@@ -151,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(1)
+    started_on = provenance()
     try:
         result = measure(args.preset, [a.strip() for a in args.arms.split(",") if a.strip()],
                          part=args.part, repeats=args.repeats, scratch=args.scratch)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    result["provenance"] = started_on
     print(json.dumps(result, indent=2))
     return 0
 
