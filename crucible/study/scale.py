@@ -13,7 +13,7 @@ from typing import Any
 
 from crucible.stats import welch
 
-__all__ = ["scale_rows", "scale_section"]
+__all__ = ["scale_rows", "scale_section", "seeds_line"]
 
 
 def scale_rows(data: Any) -> list[dict[str, Any]]:
@@ -30,14 +30,54 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
     for path in data.spec.files.scale:
         other = load_spec(path)
         big = StudyData(other, load_results(other))
+        seeds = seeds_line(other, big.results)
         for key in big.grid():
             if key not in data.keys:
                 continue
             small_stat, big_stat = data.stat(key), big.stat(key)
             rows.append({"name": other.name, "key": key, "small": small_stat, "big": big_stat,
                          "params": (params(data.spec), params(other)),
-                         "diff": welch(big_stat, small_stat)})
+                         "diff": welch(big_stat, small_stat), "seeds": seeds})
     return rows
+
+
+def _ranges(seeds: list[int]) -> str:
+    """[0, 1, 2, 3, 5, 6] -> '0-3, 5, 6'."""
+    parts: list[str] = []
+    for seed in sorted(seeds):
+        if parts and parts[-1][1] == seed - 1:
+            parts[-1] = (parts[-1][0], seed)
+        else:
+            parts.append((seed, seed))
+    return ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}"
+                     for a, b in parts)
+
+
+def seeds_line(spec: Any, results: Mapping[str, Any]) -> str:
+    """Which of a larger-model spec's seeds are whole (every cell of the grid) and with which
+    arithmetic each block was made; a seed with only some cells is named apart, with what it
+    lacks, since its cells pair with nothing or with fewer cells than the others."""
+    from crucible.study.blocks import load_proofs, seed_blocks
+    from crucible.study.spec import result_cells
+
+    blocks = seed_blocks(spec, results, load_proofs(spec))
+    wanted: dict[int, int] = {}
+    for cell in result_cells(spec):
+        wanted[cell.seed] = wanted.get(cell.seed, 0) + 1
+    whole: dict[str, list[int]] = {}
+    partial: list[str] = []
+    for seed, block in sorted(blocks.items()):
+        digests = sorted(block.digests) + sorted(block.proven)
+        kind = ", ".join(f"`{d}`" for d in digests) or "no digest"
+        if len(block.cells) >= wanted.get(seed, 0):
+            whole.setdefault(kind, []).append(seed)
+        else:
+            partial.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, {kind})")
+    shown = "; ".join(f"{_ranges(seeds)} ({kind})" for kind, seeds in whole.items())
+    text = f"`{spec.name}`'s whole seeds: {shown or 'none yet'}"
+    if partial:
+        text += "; begun, not whole: " + "; ".join(partial)
+    return text + "."
 
 
 def _pct(s: Any) -> str:
@@ -60,7 +100,8 @@ def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
            f"{rows[0]['params'][0] / 1e6:.2f}M). Degradation against each size's own "
            "baseline, 95% intervals over seeds; the difference larger - this study with a 95% "
            "Welch interval (different models, so nothing is paired). \"Lower\" means the "
-           "larger model's degradation is lower (a smaller loss increase, or a larger gain).", "",
+           "larger model's degradation is lower (a smaller loss increase, or a larger gain).",
+           "", *dict.fromkeys(r["seeds"] for r in rows), "",
            "| cell | model | this study | larger model | larger - this (points) | reads as |",
            "|---|---|---|---|---|---|"]
     for r in rows:

@@ -441,6 +441,21 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
     assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
     assert "(n=3)" in rows["uncompressed skip, p = 0.2"]
+    # the larger model's seeds: whole ones by arithmetic, a begun one apart with what it has
+    from cli.study import here_arithmetic
+    here = here_arithmetic()
+    assert f"`big`'s whole seeds: 0-3 (`{here}`)." in text
+    for stem in ("none-base-s2", "ssn-base-s2", "none-skip-p0.2-s2",
+                 "none-base-s3", "ssn-base-s3", "none-skip-p0.2-s3", "ssn-skip-p0.2-s3"):
+        path = big.results_dir / f"{stem}.json"
+        result = json.loads(path.read_text())
+        result["study"]["arithmetic"] = "sha256:00000000000000aa"
+        path.write_text(json.dumps(result))
+    (big.results_dir / "ssn-skip-p0.2-s2.json").unlink()
+    text = "\n".join(scale_section(study.StudyData(main, study.load_results(main)),
+                                   ARM_LABEL))
+    assert (f"`big`'s whole seeds: 0, 1 (`{here}`); 3 (`sha256:00000000000000aa`); begun, not "
+            "whole: 2 (3 of 4 cells, `sha256:00000000000000aa`)." in text)
     # one seed of a size: its count is said once
     from crucible.study.scale import _pct
     assert _pct(stats.stat_of({0: 0.36})) == "+0.36% (n=1, no interval)"
