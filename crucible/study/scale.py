@@ -37,8 +37,16 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
             small_stat, big_stat = data.stat(key), big.stat(key)
             rows.append({"name": other.name, "key": key, "small": small_stat, "big": big_stat,
                          "params": (params(data.spec), params(other)),
-                         "diff": welch(big_stat, small_stat), "seeds": seeds})
+                         "diff": welch(big_stat, small_stat), "seeds": seeds,
+                         "set": _changes(data.spec, other)})
     return rows
+
+
+def _changes(spec: Any, other: Any) -> list[str]:
+    """What `other` sets that `spec` does not (its preset first, where the two differ)."""
+    mine = set(spec.common_overrides())
+    changes = [] if other.preset == spec.preset else [f"preset {other.preset}"]
+    return changes + [c for c in other.common_overrides() if c not in mine]
 
 
 def _ranges(seeds: list[int]) -> str:
@@ -116,4 +124,13 @@ def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
         out.append(f"| {_cell_name(key)} | `{r['name']}` | {_pct(r['small'])} | "
                    f"{_pct(r['big'])} | {text} | {reads} |")
     out.append("")
+    for name, changes in dict.fromkeys((r["name"], tuple(r["set"])) for r in rows):
+        if changes:
+            out += [f"`{name}` changes this study's settings by {', '.join(f'`{c}`' for c in changes)}: "
+                    "a difference between the sizes is a difference between these settings, "
+                    "not of the width alone.", ""]
+    if len(rows) > 1:
+        out += [f"{len(rows)} comparisons, each with its own 95% interval: were nothing to change "
+                f"with size, about {0.05 * len(rows):.1f} of them would still read \"higher\" or "
+                "\"lower\" by chance.", ""]
     return out

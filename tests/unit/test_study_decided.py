@@ -441,6 +441,9 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
     assert rows["uncompressed skip, p = 0.2"].endswith("| lower at the larger model |")
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
     assert "(n=3)" in rows["uncompressed skip, p = 0.2"]
+    # what the larger spec sets that this study does not, and how many verdicts chance gives
+    assert "`big` changes this study's settings by `train.lr=0.002`:" in text
+    assert "2 comparisons, each with its own 95% interval" in text and "about 0.1 of" in text
     # the larger model's seeds: whole ones by arithmetic, a begun one apart with what it has
     from cli.study import here_arithmetic
     here = here_arithmetic()
