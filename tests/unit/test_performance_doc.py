@@ -1,0 +1,72 @@
+"""docs/PERFORMANCE.md's tables that name a measurement (`<!-- NAME.json -->` above the table)
+hold the numbers of docs/measurements/NAME.json, rounded as printed: a table typed from memory,
+or a measurement replaced without its table, fails here."""
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+MARKER = re.compile(r"<!-- (?P<name>[\w.-]+\.json) -->\n(?P<table>(?:\|.*\n)+)")
+
+
+def _tables() -> list[tuple[str, list[list[str]]]]:
+    found = []
+    for match in MARKER.finditer((DOCS / "PERFORMANCE.md").read_text()):
+        lines = match["table"].strip().splitlines()[2:]      # past the header and the rule
+        found.append((match["name"], [[c.strip() for c in line.strip("|").split("|")]
+                                      for line in lines]))
+    return found
+
+
+def _sim_rows(data: dict) -> dict[str, list[str]]:
+    rows = {}
+    for arm, r in data["arms"].items():
+        p = r["phases_s"]
+        rows[arm] = [arm, f"{r['ratio']:.3f}", ", ".join(f"{x:.3f}" for x in r["ratios"]),
+                     f"{r['ratio_loop']:.3f}",
+                     *(f"{p[k]:.2f}" for k in ("inner_steps", "outer_sync", "evaluate", "other",
+                                               "total"))]
+    return rows
+
+
+def _inner_rows(data: dict) -> dict[str, list[str]]:
+    rows = {}
+    for arm, r in data["arms"].items():
+        ms = r["ms_per_inner_step"]
+        name, _, change = arm.partition(":")
+        label = f"{name}, `{change.removeprefix('pipeline.')}`" if change else name
+        rows[label] = [label, f"{r['median_s']:.3f}", f"{r['reference_over_arm']:.3f}",
+                       *(f"{ms[k]:.1f}" for k in ("forward", "backward", "clip", "adamw")),
+                       f"{ms['stiefel']:.1f}" if name == "mapl" else "-"]
+    return rows
+
+
+ROWS = {"sim_throughput": _sim_rows, "step_parts-inner": _inner_rows}
+
+
+def test_every_marked_table_matches_its_measurement() -> None:
+    tables = _tables()
+    assert tables, "PERFORMANCE.md names no measurement"
+    for name, rows in tables:
+        path = DOCS / "measurements" / name
+        assert path.is_file(), f"PERFORMANCE.md names {name}, which docs/measurements lacks"
+        kind = next(k for k in ROWS if name.startswith(k))
+        expected = ROWS[kind](json.loads(path.read_text()))
+        assert [row[0] for row in rows] == list(expected), name
+        for row in rows:
+            assert row == expected[row[0]], f"{name}: {row[0]}"
+
+
+def test_a_changed_number_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "measurements").mkdir()
+    name = "sim_throughput-f83d214-amd.json"
+    data = json.loads((DOCS / "measurements" / name).read_text())
+    data["arms"]["mapl"]["ratio"] += 0.01
+    (tmp_path / "measurements" / name).write_text(json.dumps(data))
+    (tmp_path / "PERFORMANCE.md").write_text((DOCS / "PERFORMANCE.md").read_text())
+    monkeypatch.setattr(sys.modules[__name__], "DOCS", tmp_path)
+    with pytest.raises(AssertionError, match="mapl"):
+        test_every_marked_table_matches_its_measurement()
