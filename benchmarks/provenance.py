@@ -1,7 +1,8 @@
 """What a benchmark's numbers were measured on: the commit (and whether the tree had changes),
 the CPU as /proc/cpuinfo tells it apart, the arithmetic digest of `crucible.arithmetic`, torch's
 thread count and the load average. docs/PERFORMANCE.md names the commit and machine of every
-table; a benchmark's JSON carries them, so nobody types them from memory."""
+table; a benchmark's JSON carries them, so nobody types them from memory. The commit is
+`crucible.runfiles.git_sha`'s, what a run's summary records."""
 from __future__ import annotations
 
 import os
@@ -13,24 +14,28 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def commit(short: bool = True) -> str | None:
-    """HEAD of the checkout the benchmark runs from (None outside a git checkout)."""
-    args = ["git", "-C", str(_REPO), "rev-parse"] + (["--short"] if short else []) + ["HEAD"]
-    done = subprocess.run(args, capture_output=True, text=True)
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
+    """HEAD of the checkout the benchmark runs from (None outside a git checkout, or without
+    git)."""
+    from crucible.runfiles import git_sha
+
+    sha = git_sha()
+    return sha[:7] if sha and short else sha
 
 
 def dirty() -> bool | None:
-    """Whether tracked files differ from HEAD (None outside a git checkout)."""
-    done = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain", "--untracked-files=no"],
-                          capture_output=True, text=True)
+    """Whether tracked files differ from HEAD (None outside a git checkout, or without git)."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                              cwd=_REPO, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
     return bool(done.stdout.strip()) if done.returncode == 0 else None
 
 
 def provenance() -> dict[str, Any]:
     """{commit, dirty, cpu, arithmetic, threads, cpu_count, load_avg}, taken now (call it before
-    the measurement: the load average is the one the benchmark started at)."""
+    the measurement: the load average is the one the benchmark started at; only its first,
+    one-minute value speaks for the start, the others for the minutes before)."""
     import torch
 
     from crucible.arithmetic import arithmetic

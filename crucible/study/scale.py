@@ -43,15 +43,18 @@ def scale_rows(data: Any) -> list[dict[str, Any]]:
 
 
 def _changes(spec: Any, other: Any) -> list[str]:
-    """What `other` sets that `spec` does not (its preset first, where the two differ)."""
-    mine = set(spec.common_overrides())
+    """How `other`'s settings differ from `spec`'s: its preset where the two differ, what it
+    sets that `spec` does not, and what `spec` sets that it does not (as written in the specs:
+    `train.lr=0.002` and `train.lr=2e-3` count as different)."""
+    mine, theirs = list(spec.common_overrides()), list(other.common_overrides())
     changes = [] if other.preset == spec.preset else [f"preset {other.preset}"]
-    return changes + [c for c in other.common_overrides() if c not in mine]
+    return (changes + [f"`{c}`" for c in theirs if c not in mine]
+            + [f"not `{c}`" for c in mine if c not in theirs])
 
 
 def _ranges(seeds: list[int]) -> str:
     """[0, 1, 2, 3, 5, 6] -> '0-3, 5, 6'."""
-    parts: list[str] = []
+    parts: list[tuple[int, int]] = []
     for seed in sorted(seeds):
         if parts and parts[-1][1] == seed - 1:
             parts[-1] = (parts[-1][0], seed)
@@ -62,9 +65,10 @@ def _ranges(seeds: list[int]) -> str:
 
 
 def seeds_line(spec: Any, results: Mapping[str, Any]) -> str:
-    """Which of a larger-model spec's seeds are whole (every cell of the grid) and with which
-    arithmetic each block was made; a seed with only some cells is named apart, with what it
-    lacks, since its cells pair with nothing or with fewer cells than the others."""
+    """Which of a larger-model spec's seeds are whole, and with which arithmetic each block was
+    made. Whole: every cell of the grid, of one arithmetic (one digest, or cells made before the
+    probe with a proof of it). A seed with only some cells, or whose cells are not twins (two
+    digests, or undigested cells without a proof), is named apart, with what it holds."""
     from crucible.study.blocks import load_proofs, seed_blocks
     from crucible.study.spec import result_cells
 
@@ -73,18 +77,22 @@ def seeds_line(spec: Any, results: Mapping[str, Any]) -> str:
     for cell in result_cells(spec):
         wanted[cell.seed] = wanted.get(cell.seed, 0) + 1
     whole: dict[str, list[int]] = {}
-    partial: list[str] = []
+    apart: list[str] = []
     for seed, block in sorted(blocks.items()):
-        digests = sorted(block.digests) + sorted(block.proven)
+        digests = sorted(set(block.digests) | (set(block.proven) if block.undigested else set()))
         kind = ", ".join(f"`{d}`" for d in digests) or "no digest"
-        if len(block.cells) >= wanted.get(seed, 0):
+        unproven = bool(block.undigested) and bool(block.digests) and not block.proven
+        if len(digests) > 1 or unproven:
+            apart.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, not of "
+                         f"one arithmetic: {kind}{', and cells with no digest' if unproven else ''})")
+        elif len(block.cells) >= wanted.get(seed, 0):
             whole.setdefault(kind, []).append(seed)
         else:
-            partial.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, {kind})")
+            apart.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, {kind})")
     shown = "; ".join(f"{_ranges(seeds)} ({kind})" for kind, seeds in whole.items())
     text = f"`{spec.name}`'s whole seeds: {shown or 'none yet'}"
-    if partial:
-        text += "; begun, not whole: " + "; ".join(partial)
+    if apart:
+        text += "; begun, not whole: " + "; ".join(apart)
     return text + "."
 
 
@@ -109,7 +117,7 @@ def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
            "baseline, 95% intervals over seeds; the difference larger - this study with a 95% "
            "Welch interval (different models, so nothing is paired). \"Lower\" means the "
            "larger model's degradation is lower (a smaller loss increase, or a larger gain).",
-           "", *dict.fromkeys(r["seeds"] for r in rows), "",
+           "",
            "| cell | model | this study | larger model | larger - this (points) | reads as |",
            "|---|---|---|---|---|---|"]
     for r in rows:
@@ -124,13 +132,16 @@ def scale_section(data: Any, labels: Mapping[str, str]) -> list[str]:
         out.append(f"| {_cell_name(key)} | `{r['name']}` | {_pct(r['small'])} | "
                    f"{_pct(r['big'])} | {text} | {reads} |")
     out.append("")
+    for line in dict.fromkeys(r["seeds"] for r in rows):
+        out += [line, ""]
     for name, changes in dict.fromkeys((r["name"], tuple(r["set"])) for r in rows):
         if changes:
-            out += [f"`{name}` changes this study's settings by {', '.join(f'`{c}`' for c in changes)}: "
-                    "a difference between the sizes is a difference between these settings, "
-                    "not of the width alone.", ""]
-    if len(rows) > 1:
-        out += [f"{len(rows)} comparisons, each with its own 95% interval: were nothing to change "
-                f"with size, about {0.05 * len(rows):.1f} of them would still read \"higher\" or "
-                "\"lower\" by chance.", ""]
+            out += [f"`{name}` differs from this study's settings by {', '.join(changes)}"
+                    + (": a difference between the sizes is a difference of all of these, not of "
+                       "one alone." if len(changes) > 1 else "."), ""]
+    compared = sum(r["diff"] is not None for r in rows)
+    if compared > 1:
+        out += [f"{compared} comparisons, each with its own 95% interval: were nothing to "
+                f"change with size, about {0.05 * compared:.1f} of them would still read "
+                "\"higher\" or \"lower\" by chance.", ""]
     return out

@@ -3,6 +3,7 @@ hold the numbers of docs/measurements/NAME.json, rounded as printed: a table typ
 or a measurement replaced without its table, fails here."""
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,11 +14,14 @@ MARKER = re.compile(r"<!-- (?P<name>[\w.-]+\.json) -->\n(?P<table>(?:\|.*\n)+)")
 
 
 def _tables() -> list[tuple[str, list[list[str]]]]:
+    text = (DOCS / "PERFORMANCE.md").read_text()
     found = []
-    for match in MARKER.finditer((DOCS / "PERFORMANCE.md").read_text()):
+    for match in MARKER.finditer(text):
         lines = match["table"].strip().splitlines()[2:]      # past the header and the rule
         found.append((match["name"], [[c.strip() for c in line.strip("|").split("|")]
                                       for line in lines]))
+    markers = re.findall(r"<!-- [\w.-]+\.json -->", text)
+    assert len(markers) == len(found), "a `<!-- NAME.json -->` marker not right above its table"
     return found
 
 
@@ -61,7 +65,8 @@ def test_every_marked_table_matches_its_measurement() -> None:
 
 
 def test_a_changed_number_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "measurements").mkdir()
+    real = DOCS
+    shutil.copytree(real / "measurements", tmp_path / "measurements")
     name = "sim_throughput-f83d214-amd.json"
     data = json.loads((DOCS / "measurements" / name).read_text())
     data["arms"]["mapl"]["ratio"] += 0.01
@@ -69,4 +74,10 @@ def test_a_changed_number_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (tmp_path / "PERFORMANCE.md").write_text((DOCS / "PERFORMANCE.md").read_text())
     monkeypatch.setattr(sys.modules[__name__], "DOCS", tmp_path)
     with pytest.raises(AssertionError, match="mapl"):
+        test_every_marked_table_matches_its_measurement()
+    # a marker parted from its table by a blank line is not skipped in silence
+    text = (real / "PERFORMANCE.md").read_text().replace("amd.json -->\n|", "amd.json -->\n\n|", 1)
+    (tmp_path / "PERFORMANCE.md").write_text(text)
+    shutil.copy(real / "measurements" / name, tmp_path / "measurements" / name)
+    with pytest.raises(AssertionError, match="marker"):
         test_every_marked_table_matches_its_measurement()

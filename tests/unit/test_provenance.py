@@ -18,7 +18,7 @@ def _git(*args: str) -> str:
 
 def test_it_names_the_checkouts_commit_and_whether_the_tree_has_changes() -> None:
     found = provenance.provenance()
-    assert found["commit"] == _git("rev-parse", "--short", "HEAD")
+    assert _git("rev-parse", "HEAD").startswith(found["commit"]) and len(found["commit"]) == 7
     assert provenance.commit(short=False) == _git("rev-parse", "HEAD")
     changed = _git("status", "--porcelain", "--untracked-files=no") != ""
     assert found["dirty"] is changed
@@ -35,7 +35,14 @@ def test_it_names_the_cpu_and_the_arithmetic_of_this_thread_count() -> None:
     assert len(found["load_avg"]) == 3
 
 
-def test_outside_a_checkout_the_commit_is_none(monkeypatch, tmp_path: Path) -> None:
+def test_outside_a_checkout_or_without_git_it_says_none(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(provenance, "_REPO", tmp_path)
-    assert provenance.commit() is None
     assert provenance.dirty() is None
+    monkeypatch.setenv("PATH", str(tmp_path))        # no git at all: None, not an OSError
+    assert provenance.dirty() is None
+    from crucible.runfiles import git_sha
+    git_sha.cache_clear()                            # it asks git once per process
+    try:
+        assert provenance.commit() is None
+    finally:
+        git_sha.cache_clear()

@@ -442,7 +442,7 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
     assert rows["SSN skip, p = 0.2"].endswith("| higher at the larger model |")
     assert "(n=3)" in rows["uncompressed skip, p = 0.2"]
     # what the larger spec sets that this study does not, and how many verdicts chance gives
-    assert "`big` changes this study's settings by `train.lr=0.002`:" in text
+    assert "`big` differs from this study's settings by `train.lr=0.002`." in text
     assert "2 comparisons, each with its own 95% interval" in text and "about 0.1 of" in text
     # the larger model's seeds: whole ones by arithmetic, a begun one apart with what it has
     from cli.study import here_arithmetic
@@ -459,6 +459,23 @@ def test_welch_interval_and_the_scale_verdict(tmp_path: Path) -> None:
                                    ARM_LABEL))
     assert (f"`big`'s whole seeds: 0, 1 (`{here}`); 3 (`sha256:00000000000000aa`); begun, not "
             "whole: 2 (3 of 4 cells, `sha256:00000000000000aa`)." in text)
+    # a seed whose cells are not twins is not whole, however many it has
+    path = big.results_dir / "ssn-base-s0.json"
+    result = json.loads(path.read_text())
+    result["study"]["arithmetic"] = "sha256:00000000000000bb"
+    path.write_text(json.dumps(result))
+    text = "\n".join(scale_section(study.StudyData(main, study.load_results(main)),
+                                   ARM_LABEL))
+    both = ", ".join(f"`{d}`" for d in sorted([here, "sha256:00000000000000bb"]))
+    assert (f"whole seeds: 1 (`{here}`); 3 (`sha256:00000000000000aa`); begun, not whole: 0 (4 "
+            f"of 4 cells, not of one arithmetic: {both}); 2 (3 of 4" in text)
+    # with nothing of the larger model run, no verdict is counted
+    for path in big.results_dir.glob("*.json"):
+        path.unlink()
+    text = "\n".join(scale_section(study.StudyData(main, study.load_results(main)),
+                                   ARM_LABEL))
+    assert "not run yet" in text and "comparisons" not in text
+    assert "`big`'s whole seeds: none yet." in text
     # one seed of a size: its count is said once
     from crucible.study.scale import _pct
     assert _pct(stats.stat_of({0: 0.36})) == "+0.36% (n=1, no interval)"
