@@ -14,7 +14,11 @@ import torch
 from crucible import boundary
 from crucible.config import Config
 
-__all__ = ["Evaluator", "standard_error", "bypass_mask", "decoding", "bypass_damage_pct"]
+__all__ = ["Evaluator", "standard_error", "bypass_mask", "decoding", "bypass_damage_pct",
+           "BASIS_WINDOWS"]
+
+# held-out windows the MAPL basis report scores (1,024 in runs made at 13f030d and f889fd0)
+BASIS_WINDOWS = 256
 
 
 def standard_error(values: torch.Tensor) -> float | None:
@@ -60,6 +64,9 @@ class Evaluator:
         self.S = config.pipeline.stages
         self.last_eval_stderr: float | None = None             # of the latest evaluation
         self.last_window_losses: torch.Tensor | None = None    # per held-out window, latest
+        # `evaluate(taps_of=n)`: the boundary activations of its first n windows, {boundary s:
+        # (1, n, T, d)}, for a basis report of the same weights without a forward of its own
+        self.last_taps: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def of_weights(cls, config: Config, weights: list[dict[str, torch.Tensor]], *,
@@ -92,11 +99,17 @@ class Evaluator:
         return torch.autocast("cpu", enabled=False)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, *, taps_of: int = 0) -> float:
         """Validation loss of the global model, all stages, no bypass: the mean over the fixed
         held-out windows. Its standard error (over windows) is kept in `last_eval_stderr`, the
-        windows' losses in `last_window_losses`."""
-        window_losses = self.window_losses()
+        windows' losses in `last_window_losses`. `taps_of=n`: also keep the boundary
+        activations of the first n windows in `last_taps` (None under autocast, whose
+        activations a basis report does not use; otherwise they are what the report's own
+        forward computes); they cost memory only, the evaluation is the same."""
+        self.last_taps = None
+        if taps_of and self.device.type == "cuda" and self.config.train.dtype == "bf16":
+            taps_of = 0
+        window_losses = self.window_losses(taps_of=taps_of)
         self.last_window_losses = window_losses
         self.last_eval_stderr = standard_error(window_losses)
         return float(window_losses.mean())
@@ -107,29 +120,46 @@ class Evaluator:
         return sum(int(targets.numel()) for _, targets in self.validation)
 
     @torch.no_grad()
-    def window_losses(self, *, bypass: torch.Tensor | None = None) -> torch.Tensor:
+    def window_losses(self, *, bypass: torch.Tensor | None = None,
+                      taps_of: int = 0) -> torch.Tensor:
         """Mean loss of every held-out window (float64, on the CPU), global model, optionally
-        with `bypass` (1, S) stages skipped (bypass-damage measurements)."""
+        with `bypass` (1, S) stages skipped (bypass-damage measurements). `taps_of=n` (no
+        bypass): the boundary activations of the first n windows go to `last_taps`."""
+        assert not (taps_of and bypass is not None), "taps are of the intact model"
         select = torch.tensor([0], device=self.device)
         parts = []
+        kept: dict[int, list[torch.Tensor]] = {}
+        seen = 0
         for ids, targets in self.validation:
+            taps: dict[int, torch.Tensor] | None = {} if seen < taps_of else None
             with self.autocast():
                 parts.append(self.model.window_losses(ids[None].to(self.device),
                                                       targets[None].to(self.device),
-                                                      select=select, bypass=bypass)[0])
+                                                      select=select, bypass=bypass,
+                                                      taps=taps)[0])
+            for s, x in (taps or {}).items():
+                kept.setdefault(s, []).append(x)
+            seen += ids.shape[0]
+        if kept:
+            self.last_taps = {s: torch.cat(xs, dim=1)[:, :taps_of] for s, xs in kept.items()}
         return torch.cat(parts).double().cpu()
 
     @torch.no_grad()
-    def basis_report(self, *, windows: int = 256) -> list[dict[str, Any]]:
+    def basis_report(self, *, windows: int = BASIS_WINDOWS,
+                     taps: dict[int, torch.Tensor] | None = None) -> list[dict[str, Any]]:
         """Per MAPL boundary: how far the learned (global) basis moved from its initial one
         (largest principal angle) and the share of the boundary's centred activation energy each
-        keeps, on up to `windows` held-out windows through the global model."""
+        keeps, on up to `windows` held-out windows through the global model. `taps`: those
+        windows' boundary activations of the current weights, when an evaluation just computed
+        them (`evaluate(taps_of=windows)`); without them the report runs its own forward."""
         select = torch.tensor([0], device=self.device)
         ids = torch.cat([x for x, _ in self.validation])[:windows][None].to(self.device)
-        taps: dict[int, torch.Tensor] = {}
         params = [{n: p[select] for n, p in self.model.stage_params(s).items()}
                   for s in range(self.S)]
-        self.model(ids, ids, select=select, taps=taps, last=self.S - 2)  # the taps are all it needs
+        if taps is None or any(taps.get(s) is None or taps[s].shape[1] != ids.shape[1]
+                               for s in range(self.S - 1)):
+            taps = {}
+            self.model(ids, ids, select=select, taps=taps, last=self.S - 2)  # the taps it needs
         rows = []
         for s in range(self.S - 1):
             learned = params[s]["basis"][0]

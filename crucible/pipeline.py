@@ -202,9 +202,11 @@ class ReplicatedPipeline(nn.Module):
         raise AssertionError("unreachable: the last stage returns")
 
     def window_losses(self, ids: torch.Tensor, targets: torch.Tensor, *,
-                      select: torch.Tensor, bypass: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss of every window (R', B) of the `select`ed replicas' weights."""
-        return self(ids, targets, select=select, bypass=bypass, per_sequence=True)
+                      select: torch.Tensor, bypass: torch.Tensor | None = None,
+                      taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Mean loss of every window (R', B) of the `select`ed replicas' weights (`taps`: as
+        `forward`'s)."""
+        return self(ids, targets, select=select, bypass=bypass, per_sequence=True, taps=taps)
 
     def _bypassed(self, message: torch.Tensor, params: list[dict[str, torch.Tensor]],
                   stage: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from crucible.checkpoint import checkpoint_limit, load_latest, save_checkpoint
 from crucible.config import Config
 from crucible.data import TokenData, check_token_budget, load_tokens, token_digest
 from crucible.errors import TrainingDiverged
-from crucible.evaluation import Evaluator, standard_error
+from crucible.evaluation import BASIS_WINDOWS, Evaluator, standard_error
 from crucible.events import Callback, Event, JsonlCallback, Metric, MultiCallback
 from crucible.faults import FaultPlan, plan_for
 from crucible.ids import validate_id
@@ -100,6 +100,8 @@ class Trainer:
         # train.tail_average: the global weights summed over the last outer steps (float64)
         self.tail_sum: list[dict[str, torch.Tensor]] | None = None
         self.tail_count = 0
+        # the global step whose final evaluation kept the basis report's activations
+        self._taps_step: int | None = None
 
     # -- what a trainer holding part of the run overrides ----------------------------------------
     def _data_view(self, data: TokenData) -> Any:
@@ -161,7 +163,13 @@ class Trainer:
         if self.tail_count:
             summary.update(self.tail_evaluation())
         if self.config.pipeline.compression == "mapl":
-            summary["mapl_bases"] = self.evaluator.basis_report()
+            # the final evaluation kept the report's activations of these very weights (the tail
+            # evaluation puts the model's own back); a run that did not evaluate at its end
+            # (resumed finished) has the report run its own forward
+            fresh = self._taps_step is not None and self._taps_step == self.next_step
+            summary["mapl_bases"] = self.evaluator.basis_report(
+                taps=self.evaluator.last_taps if fresh else None)
+            self.evaluator.last_taps = None
         return summary
 
     def alignment(self, summary: dict[str, Any]) -> None:
@@ -380,9 +388,9 @@ class Trainer:
         return self.evaluator.autocast()
 
     # -- evaluation (crucible.evaluation.Evaluator) ------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self, *, taps_of: int = 0) -> float:
         """Validation loss of the global model (`Evaluator.evaluate`)."""
-        return self.evaluator.evaluate()
+        return self.evaluator.evaluate(taps_of=taps_of)
 
     @property
     def last_eval_stderr(self) -> float | None:
@@ -398,9 +406,13 @@ class Trainer:
 
     def _maybe_evaluate(self, budget: int) -> None:
         g = self.next_step
-        if g % self.config.train.eval_every == 0 or self._finished(budget):
+        final = self._finished(budget)
+        if g % self.config.train.eval_every == 0 or final:
             started = time.perf_counter()
-            val = self.evaluate()
+            # the last evaluation keeps what MAPL's basis report needs of the same weights
+            keep = BASIS_WINDOWS if final and self.config.pipeline.compression == "mapl" else 0
+            val = self.evaluate(taps_of=keep)
+            self._taps_step = g if keep else None
             self.counters.timing["eval_s"] += time.perf_counter() - started
             if not torch.isfinite(torch.tensor(val)):
                 raise TrainingDiverged(f"validation loss is {val} after global step {g}")

@@ -168,6 +168,39 @@ def test_basis_report_of_an_untrained_model_shows_no_movement(tmp_path):
         assert 0.0 < r["energy_kept"] < 1.0
 
 
+def test_the_basis_report_takes_the_final_evaluations_activations(tmp_path, monkeypatch):
+    """A MAPL run's basis report reads the boundary activations its final evaluation computed
+    (four held-out batches here) instead of running a forward of its own: the run's numbers are
+    those of a run that does not (the evaluation only keeps references), and the report is the
+    one its own forward gives."""
+    import crucible.train as train_module
+
+    cfg = tiny(**{"pipeline.compression": "mapl", "train.eval_batch_size": 4,
+                  "train.eval_every": 2, "train.global_steps": 3})
+    own_forwards = []
+    real_forward = ReplicatedPipeline.forward
+
+    def counting(self, *args, **kwargs):
+        if kwargs.get("last") is not None:
+            own_forwards.append(kwargs["last"])
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicatedPipeline, "forward", counting)
+    reused = _trainer(tmp_path / "a", cfg)
+    assert len(reused.validation) == 4
+    summary = reused.run()
+    assert own_forwards == []                             # no forward of the report's own
+    assert reused.evaluator.last_taps is None             # let go once the report is made
+    assert summary["mapl_bases"] == reused.evaluator.basis_report()
+    assert own_forwards == [reused.S - 2]                 # that one ran its own
+
+    monkeypatch.setattr(train_module, "BASIS_WINDOWS", 0)  # a run that keeps nothing
+    plain = _trainer(tmp_path / "b", cfg).run()
+    assert own_forwards == [reused.S - 2] * 2
+    for key in ("final_val_loss", "evals", "mapl_bases", "tokens_processed"):
+        assert plain[key] == summary[key], key
+
+
 @pytest.mark.slow
 def test_mapl_bases_learn_a_different_subspace_that_keeps_more_energy(tmp_path):
     """~30 s a seed: the lead's measured configuration (fewer held-out tokens for speed). One
