@@ -122,9 +122,9 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
             # sides then do the same work, training and evaluation
             crucible_evaluate = trainer.evaluate
 
-            def evaluate_both() -> float:
+            def evaluate_both(**kwargs: Any) -> float:
                 nonlocal ref_s
-                value = crucible_evaluate()
+                value = crucible_evaluate(**kwargs)
                 started = time.perf_counter()
                 reference.evaluate(trainer.validation)  # type: ignore[union-attr]
                 ref_s += time.perf_counter() - started
