@@ -92,9 +92,14 @@ class Evaluator:
                                           batch_size=config.train.eval_batch_size),
                    config, device)
 
+    @property
+    def autocasting(self) -> bool:
+        """Whether evaluations run under bf16 autocast: on a GPU when the run trains in bf16."""
+        return self.device.type == "cuda" and self.config.train.dtype == "bf16"
+
     def autocast(self):
-        """bf16 autocast on a GPU when the run trains in bf16; off otherwise."""
-        if self.device.type == "cuda" and self.config.train.dtype == "bf16":
+        """bf16 autocast when `autocasting`; off otherwise."""
+        if self.autocasting:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
@@ -107,9 +112,7 @@ class Evaluator:
         activations a basis report does not use; otherwise they are what the report's own
         forward computes); they cost memory only, the evaluation is the same."""
         self.last_taps = None
-        if taps_of and self.device.type == "cuda" and self.config.train.dtype == "bf16":
-            taps_of = 0
-        window_losses = self.window_losses(taps_of=taps_of)
+        window_losses = self.window_losses(taps_of=0 if self.autocasting else taps_of)
         self.last_window_losses = window_losses
         self.last_eval_stderr = standard_error(window_losses)
         return float(window_losses.mean())

@@ -100,8 +100,6 @@ class Trainer:
         # train.tail_average: the global weights summed over the last outer steps (float64)
         self.tail_sum: list[dict[str, torch.Tensor]] | None = None
         self.tail_count = 0
-        # the global step whose final evaluation kept the basis report's activations
-        self._taps_step: int | None = None
 
     # -- what a trainer holding part of the run overrides ----------------------------------------
     def _data_view(self, data: TokenData) -> Any:
@@ -163,12 +161,11 @@ class Trainer:
         if self.tail_count:
             summary.update(self.tail_evaluation())
         if self.config.pipeline.compression == "mapl":
-            # the final evaluation kept the report's activations of these very weights (the tail
-            # evaluation puts the model's own back); a run that did not evaluate at its end
-            # (resumed finished) has the report run its own forward
-            fresh = self._taps_step is not None and self._taps_step == self.next_step
-            summary["mapl_bases"] = self.evaluator.basis_report(
-                taps=self.evaluator.last_taps if fresh else None)
+            # only the final evaluation keeps taps (every evaluation drops the last one's), so
+            # they are of these very weights (the tail evaluation puts the model's own back); a
+            # run that did not evaluate at its end (resumed finished) has none, and the report
+            # runs its own forward
+            summary["mapl_bases"] = self.evaluator.basis_report(taps=self.evaluator.last_taps)
             self.evaluator.last_taps = None
         return summary
 
@@ -412,7 +409,6 @@ class Trainer:
             # the last evaluation keeps what MAPL's basis report needs of the same weights
             keep = BASIS_WINDOWS if final and self.config.pipeline.compression == "mapl" else 0
             val = self.evaluate(taps_of=keep)
-            self._taps_step = g if keep else None
             self.counters.timing["eval_s"] += time.perf_counter() - started
             if not torch.isfinite(torch.tensor(val)):
                 raise TrainingDiverged(f"validation loss is {val} after global step {g}")

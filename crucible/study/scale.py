@@ -8,6 +8,7 @@ tell. Stdlib only.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,9 +74,7 @@ def seeds_line(spec: Any, results: Mapping[str, Any]) -> str:
     from crucible.study.spec import result_cells
 
     blocks = seed_blocks(spec, results, load_proofs(spec))
-    wanted: dict[int, int] = {}
-    for cell in result_cells(spec):
-        wanted[cell.seed] = wanted.get(cell.seed, 0) + 1
+    wanted = Counter(cell.seed for cell in result_cells(spec))
     whole: dict[str, list[int]] = {}
     apart: list[str] = []
     for seed, block in sorted(blocks.items()):
@@ -83,12 +82,12 @@ def seeds_line(spec: Any, results: Mapping[str, Any]) -> str:
         kind = ", ".join(f"`{d}`" for d in digests) or "no digest"
         unproven = bool(block.undigested) and bool(block.digests) and not block.proven
         if len(digests) > 1 or unproven:
-            apart.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, not of "
+            apart.append(f"{seed} ({len(block.cells)} of {wanted[seed]} cells, not of "
                          f"one arithmetic: {kind}{', and cells with no digest' if unproven else ''})")
-        elif len(block.cells) >= wanted.get(seed, 0):
+        elif len(block.cells) >= wanted[seed]:
             whole.setdefault(kind, []).append(seed)
         else:
-            apart.append(f"{seed} ({len(block.cells)} of {wanted.get(seed, 0)} cells, {kind})")
+            apart.append(f"{seed} ({len(block.cells)} of {wanted[seed]} cells, {kind})")
     shown = "; ".join(f"{_ranges(seeds)} ({kind})" for kind, seeds in whole.items())
     text = f"`{spec.name}`'s whole seeds: {shown or 'none yet'}"
     if apart:
