@@ -20,7 +20,7 @@ from crucible.config import Config
 from crucible.seeding import generator
 
 __all__ = ["FixedTensors", "fixed_tensors", "anchor_term", "encode", "decode", "message_width", "wire_bytes",
-           "msign", "retract", "stiefel_step", "stiefel_steps", "centred", "energy_kept", "largest_angle_deg",
+           "Workspace", "msign", "retract", "stiefel_step", "stiefel_steps", "centred", "energy_kept", "largest_angle_deg",
            "principal_angles_deg"]
 
 _SUBSPACE_STREAM = 0x55A5
@@ -160,61 +160,138 @@ def wire_bytes(config: Config) -> tuple[int, int]:
     return 2 * width + id_bytes, 2 * width
 
 
+class Workspace:
+    """Scratch tensors that the Stiefel step reuses from call to call, by name: at the study's
+    shapes an allocation of a (R (S-1), d, k) tensor costs more than the arithmetic done in it
+    (fresh pages every time), and a step makes a few dozen. Results never live here: the step
+    copies them into the bases and momenta it updates. One per caller (a trainer, a stage)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if (buffer is None or buffer.shape != shape or buffer.dtype != like.dtype
+                or buffer.device != like.device):
+            buffer = self._buffers[name] = like.new_empty(shape)
+        return buffer
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    # a 0-dim CPU tensor of `like`'s dtype: `torch.mul(t, scalar, out=)` then multiplies by the
+    # same float a Python number gives (`t * value`), without converting the number each call
+    return torch.tensor(value, dtype=like.dtype)
+
+
 def msign(m: torch.Tensor, steps: int) -> torch.Tensor:
     """Approximate polar factor of tall matrices m (R, d, k) by quintic Newton-Schulz iterations
     (the direction of a Stiefel step; exact orthonormality is not needed there)."""
+    return _msign(m, steps, Workspace()).clone()
+
+
+def _msign(m: torch.Tensor, steps: int, work: Workspace) -> torch.Tensor:
+    # x <- a * x + x @ (b * gram + c * gram @ gram), gram = x^T x: the same operations in the
+    # same order as that line (c * gram @ gram is (c * gram) @ gram), so the same bits, into
+    # `work`'s buffers; the result is one of them
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = m / (m.flatten(1).norm(dim=1)[:, None, None] + 1e-7)
+    n, _, k = m.shape
+    a_, c_ = _scalar(a, m), _scalar(c, m)
+    norms = m.flatten(1).norm(dim=1)[:, None, None] + 1e-7
+    x = torch.div(m, norms, out=work("msign.x", m.shape, m))
+    other = work("msign.other", m.shape, m)
+    product = work("msign.product", m.shape, m)
+    gram, scaled, poly = (work(f"msign.{name}", (n, k, k), m) for name in ("gram", "scaled", "poly"))
     for _ in range(steps):
-        gram = x.transpose(1, 2) @ x
-        x = a * x + x @ (b * gram + c * gram @ gram)
+        torch.bmm(x.transpose(1, 2), x, out=gram)
+        torch.mul(gram, c_, out=scaled)
+        torch.bmm(scaled, gram, out=poly)
+        gram.mul_(b)
+        torch.add(gram, poly, out=poly)
+        torch.bmm(x, poly, out=product)
+        torch.mul(x, a_, out=other)
+        torch.add(other, product, out=other)
+        x, other = other, x
     return x
 
 
 def retract(a: torch.Tensor, steps: int) -> torch.Tensor:
     """Polar retraction onto the Stiefel manifold by cubic Newton-Schulz iterations; converges
     quadratically for the near-orthonormal inputs it gets (singular values within (0, sqrt 3))."""
-    x = a
+    return _retract_(a.clone(), steps, Workspace())
+
+
+def _retract_(x: torch.Tensor, steps: int, work: Workspace) -> torch.Tensor:
+    # `retract` in place on x: x <- 1.5 * x - 0.5 * x @ (x^T x), the same operations in the same
+    # order as that line (0.5 * x @ g is (0.5 * x) @ g), into `work`'s buffers
+    n, _, k = x.shape
+    gram = work("retract.gram", (n, k, k), x)
+    half = work("retract.half", x.shape, x)
+    product = work("retract.product", x.shape, x)
+    half_ = _scalar(0.5, x)
     for _ in range(steps):
-        x = 1.5 * x - 0.5 * x @ (x.transpose(1, 2) @ x)
+        torch.bmm(x.transpose(1, 2), x, out=gram)
+        torch.mul(x, half_, out=half)
+        torch.bmm(half, gram, out=product)
+        x.mul_(1.5)
+        torch.sub(x, product, out=x)
     return x
 
 
 @torch.no_grad()
 def stiefel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, lr: float,
-                 beta: float, steps: int, mask: torch.Tensor) -> None:
+                 beta: float, steps: int, mask: torch.Tensor, work: Workspace | None = None) -> None:
     """One SPEL update of the replicas selected by `mask` (R,), in place on `basis` and
-    `momentum`: g_R = g - A sym(A^T g); m = beta m + (1-beta) g_R; A = retract(A - lr msign(m))."""
+    `momentum`: g_R = g - A sym(A^T g); m = beta m + (1-beta) g_R; A = retract(A - lr msign(m)).
+    `work`: scratch buffers to reuse across calls (fresh ones otherwise); the arithmetic is
+    that formula's, operation for operation, on contiguous tensors (the batched step's always
+    are; a lone boundary's column-major basis or gradient is copied first)."""
     if not bool(mask.any()):
         return
-    sym = basis.transpose(1, 2) @ grad
-    sym = 0.5 * (sym + sym.transpose(1, 2))
-    riemannian = grad - basis @ sym
-    new_momentum = beta * momentum + (1 - beta) * riemannian
-    new_basis = retract(basis - lr * msign(new_momentum, steps), steps)
+    work = work or Workspace()
+    n, _, k = basis.shape
+    # the matmuls round a column-major operand otherwise than a contiguous one: the step works
+    # on contiguous tensors (the batched step's already are) and writes back into the caller's
+    target_basis, target_momentum = basis, momentum
+    basis, grad, momentum = basis.contiguous(), grad.contiguous(), momentum.contiguous()
+    sym = torch.bmm(basis.transpose(1, 2), grad, out=work("step.sym", (n, k, k), basis))
+    both = torch.add(sym, sym.transpose(1, 2), out=work("step.both", (n, k, k), basis))
+    both.mul_(0.5)
+    riemannian = torch.bmm(basis, both, out=work("step.riemannian", basis.shape, basis))
+    torch.sub(grad, riemannian, out=riemannian)
+    new_momentum = torch.mul(momentum, _scalar(beta, basis),
+                             out=work("step.momentum", basis.shape, basis))
+    riemannian.mul_(1 - beta)
+    torch.add(new_momentum, riemannian, out=new_momentum)
+    direction = _msign(new_momentum, steps, work)
+    direction.mul_(lr)
+    new_basis = _retract_(torch.sub(basis, direction, out=direction), steps, work)
+    if bool(mask.all()):   # every replica steps (no fault): nothing to select
+        target_momentum.copy_(new_momentum)
+        target_basis.copy_(new_basis)
+        return
     keep = mask[:, None, None]
-    momentum.copy_(torch.where(keep, new_momentum, momentum))
-    basis.copy_(torch.where(keep, new_basis, basis))
+    target_momentum.copy_(torch.where(keep, new_momentum, momentum))
+    target_basis.copy_(torch.where(keep, new_basis, basis))
 
 
 @torch.no_grad()
 def stiefel_steps(bases: list[torch.Tensor], grads: list[torch.Tensor],
                   momenta: list[torch.Tensor], masks: list[torch.Tensor], *, lr: float,
-                  beta: float, steps: int) -> None:
+                  beta: float, steps: int, work: Workspace | None = None) -> None:
     """`stiefel_step` of several boundaries at once: their (R, d, k) bases, gradients, momenta
     and (R,) masks are stacked into one (n R, d, k) batch, so the Newton-Schulz iterations run
     as one batched matmul per iteration instead of one per boundary (every matrix is still
     normalised and iterated on its own), and the results are copied back in place. All the
-    bases must have one shape."""
+    bases must have one shape. `work`: as `stiefel_step`'s."""
     if not bases:
         return
-    if len(bases) == 1:
-        stiefel_step(bases[0], grads[0], momenta[0], lr=lr, beta=beta, steps=steps, mask=masks[0])
-        return
-    basis = torch.cat(bases)
-    momentum = torch.cat(momenta)
-    stiefel_step(basis, torch.cat(grads), momentum, lr=lr, beta=beta, steps=steps,
-                 mask=torch.cat(masks))
+    work = work or Workspace()
+    shape = (sum(b.shape[0] for b in bases), *bases[0].shape[1:])
+    basis = torch.cat(bases, out=work("steps.basis", shape, bases[0]))
+    momentum = torch.cat(momenta, out=work("steps.momentum", shape, bases[0]))
+    grad = torch.cat(grads, out=work("steps.grad", shape, bases[0]))
+    stiefel_step(basis, grad, momentum, lr=lr, beta=beta, steps=steps, mask=torch.cat(masks),
+                 work=work)
     for i, (b, m) in enumerate(zip(bases, momenta, strict=True)):
         rows = slice(i * b.shape[0], (i + 1) * b.shape[0])
         b.copy_(basis[rows])

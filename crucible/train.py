@@ -85,6 +85,7 @@ class Trainer:
                                       self.model.layouts, train=config.train, replicas=self.R)
         self.stiefel_momentum = {s: torch.zeros_like(p["basis"]) for s in range(self.S)
                                  if "basis" in (p := self.model.stage_params(s))}
+        self._stiefel_work = boundary.Workspace()   # the SPEL step's scratch, reused every step
         self.sync = self._make_sync()
         self.validation = data.validation(tokens=config.train.eval_tokens,
                                           batch_size=config.train.eval_batch_size)
@@ -356,7 +357,8 @@ class Trainer:
                                [basis.grad for _, basis in moving],
                                [self.stiefel_momentum[s] for s, _ in moving],
                                [active[:, s] for s, _ in moving], lr=lr * pipe.mapl_lr_scale,
-                               beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps)
+                               beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps,
+                               work=self._stiefel_work)
         self.model.zero_grad(set_to_none=True)
 
     def _clip(self) -> None:

@@ -111,6 +111,7 @@ class StageWorker(MicroBatches):
         self.adamw_counts = [sum(1 for spec in stage_layout(config, t) if spec.inner == "adamw")
                              for t in range(self.S)]
         self.momentum = torch.zeros_like(self.params["basis"]) if "basis" in self.params else None
+        self._stiefel_work = boundary.Workspace()   # the SPEL step's scratch, reused every step
         self.sync = ReplicaSync(config, self.model, store=self.store, run_key=self.run_key,
                                 replica=replica, stages=[stage])
         self.sync.watch = DeathWatch(self)
@@ -391,7 +392,8 @@ class StageWorker(MicroBatches):
         mask = torch.zeros(n, dtype=torch.bool)
         mask[at] = True
         boundary.stiefel_step(wide[0], wide[1], wide[2], lr=lr * pipe.mapl_lr_scale,
-                              beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps, mask=mask)
+                              beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps, mask=mask,
+                              work=self._stiefel_work)
         basis.data[0] = wide[0][at]
         self.momentum[0] = wide[2][at]
 

@@ -1,0 +1,114 @@
+"""The SPEL step (crucible/boundary.py) written into reused buffers is the formula written out,
+bit for bit: the same operations in the same order, so every committed MAPL cell re-runs to the
+bit on its CPU kind. The reference below is the step as it was written before the buffers (one
+line per formula, a fresh tensor per operation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crucible import boundary
+
+
+def _msign(m: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = m / (m.flatten(1).norm(dim=1)[:, None, None] + 1e-7)
+    for _ in range(steps):
+        gram = x.transpose(1, 2) @ x
+        x = a * x + x @ (b * gram + c * gram @ gram)
+    return x
+
+
+def _retract(a: torch.Tensor, steps: int) -> torch.Tensor:
+    x = a
+    for _ in range(steps):
+        x = 1.5 * x - 0.5 * x @ (x.transpose(1, 2) @ x)
+    return x
+
+
+def _step(basis, grad, momentum, *, lr, beta, steps, mask) -> None:
+    if not bool(mask.any()):
+        return
+    sym = basis.transpose(1, 2) @ grad
+    sym = 0.5 * (sym + sym.transpose(1, 2))
+    riemannian = grad - basis @ sym
+    new_momentum = beta * momentum + (1 - beta) * riemannian
+    new_basis = _retract(basis - lr * _msign(new_momentum, steps), steps)
+    keep = mask[:, None, None]
+    momentum.copy_(torch.where(keep, new_momentum, momentum))
+    basis.copy_(torch.where(keep, new_basis, basis))
+
+
+def _inputs(n: int, R: int = 4, d: int = 32, k: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    bases = [_retract(torch.linalg.qr(torch.randn(R, d, k, generator=gen))[0], 5).contiguous()
+             for _ in range(n)]
+    grads = [torch.randn(R, d, k, generator=gen) for _ in range(n)]
+    momenta = [0.1 * torch.randn(R, d, k, generator=gen) for _ in range(n)]
+    return bases, grads, momenta
+
+
+@pytest.mark.parametrize("steps", [0, 1, 5, 8])
+def test_msign_and_retract_are_the_formula_and_leave_their_input(steps: int) -> None:
+    gen = torch.Generator().manual_seed(steps)
+    m = torch.randn(6, 32, 8, generator=gen)
+    a = _retract(torch.linalg.qr(torch.randn(6, 32, 8, generator=gen))[0], 3) * 1.01
+    m_before, a_before = m.clone(), a.clone()
+    assert torch.equal(boundary.msign(m, steps), _msign(m, steps))
+    assert torch.equal(boundary.retract(a, steps), _retract(a, steps))
+    assert torch.equal(m, m_before) and torch.equal(a, a_before)
+    # the results are the caller's own tensors, not scratch that a later call overwrites
+    first = boundary.msign(m, steps)
+    boundary.msign(2 * m, steps)
+    assert torch.equal(first, _msign(m, steps))
+
+
+def test_stiefel_steps_with_one_workspace_are_the_formula_step_after_step() -> None:
+    """Twelve inner steps of three boundaries through one reused workspace, every replica
+    stepping, some masked off, a whole boundary masked off, and a change of the Newton-Schulz
+    count: equal to the bit to the formula stepped boundary by boundary in one batch."""
+    bases, grads, momenta = _inputs(3)
+    ours = [b.clone() for b in bases], [m.clone() for m in momenta]
+    theirs = [b.clone() for b in bases], [m.clone() for m in momenta]
+    R = bases[0].shape[0]
+    work = boundary.Workspace()
+    for i in range(12):
+        masks = [torch.ones(R, dtype=torch.bool) for _ in range(3)]
+        if i % 3 == 1:
+            masks = [torch.tensor([True, False, True, True]), torch.zeros(R, dtype=torch.bool),
+                     torch.ones(R, dtype=torch.bool)]
+        steps = 5 if i % 4 == 3 else 8
+        scaled = [g * (1 + 0.1 * i) for g in grads]
+        boundary.stiefel_steps(ours[0], scaled, ours[1], masks, lr=0.01, beta=0.9, steps=steps,
+                               work=work)
+        basis, momentum = torch.cat(theirs[0]), torch.cat(theirs[1])
+        _step(basis, torch.cat(scaled), momentum, lr=0.01, beta=0.9, steps=steps,
+              mask=torch.cat(masks))
+        for j in range(3):
+            theirs[0][j].copy_(basis[j * R:(j + 1) * R])
+            theirs[1][j].copy_(momentum[j * R:(j + 1) * R])
+        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
+            assert torch.equal(a, b), f"inner step {i}"
+    assert not torch.equal(ours[0][0], bases[0])
+
+
+def test_a_lone_column_major_boundary_is_the_formula_on_contiguous_copies() -> None:
+    """One boundary (S = 2) with its basis and gradient column-major, as QR and backward leave
+    them: the step works on contiguous copies, the layout every batched step has (on an AVX2
+    CPU the formula on column-major operands rounds otherwise; no committed MAPL cell has a
+    lone boundary), and writes back into the caller's tensors."""
+    bases, grads, momenta = _inputs(1, seed=3)
+    basis = bases[0].transpose(1, 2).contiguous().transpose(1, 2)
+    grad = grads[0].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not basis.is_contiguous() and not grad.is_contiguous()
+    ours = (basis.clone(memory_format=torch.preserve_format), momenta[0].clone())
+    assert not ours[0].is_contiguous()
+    theirs = (basis.contiguous(), momenta[0].clone())
+    mask = torch.tensor([True, True, False, True])
+    work = boundary.Workspace()
+    for _ in range(3):
+        boundary.stiefel_steps([ours[0]], [grad], [ours[1]], [mask], lr=0.02, beta=0.8, steps=6,
+                               work=work)
+        _step(theirs[0], grad.contiguous(), theirs[1], lr=0.02, beta=0.8, steps=6, mask=mask)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(ours[0][2], basis[2]) and not torch.equal(ours[0][0], basis[0])
