@@ -19,7 +19,7 @@ import torch
 from crucible.config import Config
 from crucible.seeding import generator
 
-__all__ = ["FixedTensors", "fixed_tensors", "anchor_term", "encode", "decode", "message_width", "wire_bytes",
+__all__ = ["FixedTensors", "fixed_tensors", "anchor_term", "anchor_twice", "encode", "decode", "message_width", "wire_bytes",
            "Workspace", "msign", "retract", "stiefel_step", "stiefel_steps", "centred", "energy_kept", "largest_angle_deg",
            "principal_angles_deg"]
 
@@ -80,6 +80,49 @@ def anchor_term(params: dict[str, torch.Tensor], ids: torch.Tensor, *, stage: in
     and its encode takes off (`anchor=` of `decode` and `encode`)."""
     assert fixed.anchors_fixed is not None
     return _anchor(params, ids, fixed.anchors_fixed[stage])
+
+
+class _AnchorTwice(torch.autograd.Function):
+    """E_p[ids] P_p computed once and handed out twice, to a stage's decode and to its encode,
+    with the gradient two lookups of their own give the table: each use's gradient is taken
+    back through its own matmul (g @ P^T) and scattered into a zero table (accumulating in index
+    order) as autograd's `MmBackward` and `IndexBackward` do, and the two tables are added once,
+    as autograd adds what two uses send to one tensor (an addition of two terms commutes
+    exactly). So the values and every gradient are those of two separate lookups, bit for bit,
+    for one lookup's forward."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,  # type: ignore[override]
+                fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(rows, ids, fixed)
+        ctx.table_shape = table.shape
+        anchor = table[rows, ids] @ fixed
+        return anchor, anchor.detach()
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        rows, ids, fixed = ctx.saved_tensors
+        total = None
+        for grad in grads:
+            looked_up = grad.reshape(-1, grad.shape[-1]).mm(fixed.t()).view(*ids.shape, -1)
+            table = grad.new_zeros(ctx.table_shape).index_put_((rows, ids), looked_up,
+                                                               accumulate=True)
+            total = table if total is None else total + table
+        return total, None, None, None
+
+
+def anchor_twice(params: dict[str, torch.Tensor], ids: torch.Tensor, *, stage: int,
+                 fixed: FixedTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """mapl with gradients: stage `stage`'s `anchor_term` for its decode and for its encode,
+    from one lookup, with the gradients of two (`_AnchorTwice`). Not under autocast, where a
+    lookup's backward also passes through autocast's casts: there each use looks up its own."""
+    assert fixed.anchors_fixed is not None
+    if torch.is_autocast_enabled(ids.device.type):
+        return (anchor_term(params, ids, stage=stage, fixed=fixed),
+                anchor_term(params, ids, stage=stage, fixed=fixed))
+    table = params["anchor"]
+    rows = torch.arange(table.shape[0], device=ids.device)[:, None, None]
+    return _AnchorTwice.apply(table, rows, ids, fixed.anchors_fixed[stage])
 
 
 def encode(kind: str, x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor],

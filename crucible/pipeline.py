@@ -157,10 +157,11 @@ class ReplicatedPipeline(nn.Module):
         skip_whole = (bypass is not None and taps is None and inputs is None
                       and not torch.is_grad_enabled()
                       and not torch.is_autocast_enabled(ids.device.type))
-        # mapl without gradients: a stage's anchor term is computed once, for its decode and its
-        # encode (the same values; with gradients each use keeps its own path, so that the
-        # anchor table's gradient is summed as it always was)
-        share_anchor = self.kind == "mapl" and not passthrough and not torch.is_grad_enabled()
+        # mapl: a stage's anchor term is looked up once, for its decode and its encode (the same
+        # values); with gradients through `anchor_twice`, which gives the anchor table the
+        # gradient of two lookups, summed as it always was
+        share_anchor = self.kind == "mapl" and not passthrough
+        twice = share_anchor and torch.is_grad_enabled()
         if resume is None:
             x = embed_forward(params[0], ids, subspace=fixed.subspace if self.kind == "ssn" else None,
                               token_table=fixed.token_table)
@@ -173,10 +174,12 @@ class ReplicatedPipeline(nn.Module):
                 if messages is not None:
                     messages[s] = message
                 continue
-            anchor = None
+            anchor = for_encode = None
             if s > 0:
-                if share_anchor:
-                    anchor = boundary.anchor_term(params[s], ids, stage=s, fixed=fixed)
+                if twice and s < self.S - 1:
+                    anchor, for_encode = boundary.anchor_twice(params[s], ids, stage=s, fixed=fixed)
+                elif share_anchor:
+                    anchor = for_encode = boundary.anchor_term(params[s], ids, stage=s, fixed=fixed)
                 x = boundary.decode(kind, message, ids, receiver=params[s], stage=s,
                                     basis=self._decode_basis(params, s, bypass), fixed=fixed,
                                     anchor=anchor)
@@ -190,7 +193,7 @@ class ReplicatedPipeline(nn.Module):
             if taps is not None:
                 taps[s] = x.detach()
             sent = boundary.encode(kind, x, ids, sender=params[s], stage=s, fixed=fixed,
-                                   anchor=anchor)
+                                   anchor=for_encode)
             if bypass is not None and s > 0 and bypass[:, s].any():
                 keep = bypass[:, s][:, None, None, None]
                 sent = torch.where(keep, self._bypassed(message, params, s), sent)

@@ -1,13 +1,18 @@
-"""The SPEL step (crucible/boundary.py) written into reused buffers is the formula written out,
-bit for bit: the same operations in the same order, so every committed MAPL cell re-runs to the
-bit on its CPU kind. The reference below is the step as it was written before the buffers (one
-line per formula, a fresh tensor per operation)."""
+"""MAPL's arithmetic where it was made cheaper (issue 38) is what it was, bit for bit, so every
+committed MAPL cell re-runs to the bit on its CPU kind:
+- the SPEL step (crucible/boundary.py) written into reused buffers is the formula written out
+  (the reference below is the step as it was written before the buffers: one line per formula,
+  a fresh tensor per operation);
+- a stage's anchor term looked up once for its decode and its encode (`anchor_twice`) gives the
+  loss and every gradient that two lookups of their own gave."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from crucible import boundary
+from crucible.pipeline import ReplicatedPipeline
+from tests.unit.helpers import tiny
 
 
 def _msign(m: torch.Tensor, steps: int) -> torch.Tensor:
@@ -112,3 +117,67 @@ def test_a_lone_column_major_boundary_is_the_formula_on_contiguous_copies() -> N
         _step(theirs[0], grad.contiguous(), theirs[1], lr=0.02, beta=0.8, steps=6, mask=mask)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     assert torch.equal(ours[0][2], basis[2]) and not torch.equal(ours[0][0], basis[0])
+
+
+def _two_lookups(params, ids, *, stage, fixed):
+    """The anchor terms as the forward made them before `anchor_twice`: a lookup per use."""
+    return (boundary.anchor_term(params, ids, stage=stage, fixed=fixed),
+            boundary.anchor_term(params, ids, stage=stage, fixed=fixed))
+
+
+def _losses_and_grads(model: ReplicatedPipeline, ids, targets, **kwargs):
+    model.zero_grad(set_to_none=True)
+    losses = model(ids, targets, **kwargs)
+    (losses * torch.arange(1, losses.shape[0] + 1)).sum().backward()
+    grads = {f"{s}.{n}": p.grad.clone() for s in range(model.S)
+             for n, p in model.stage_params(s).items() if p.grad is not None}
+    return losses.detach(), grads
+
+
+@pytest.mark.parametrize("case", ["intact", "skip", "reroute"])
+def test_one_anchor_lookup_per_stage_gives_two_lookups_losses_and_gradients(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny(**{"pipeline.compression": "mapl", "pipeline.stages": 4, "replicas": 3,
+                     "pipeline.bypass_decode": "sender"})
+    model = ReplicatedPipeline(config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():   # anchor tables away from their initial values, so every term counts
+        for s in range(1, model.S):
+            model.stage_params(s)["anchor"].add_(torch.randn(
+                model.stage_params(s)["anchor"].shape, generator=gen))
+    R, T, V = config.replicas, config.model.seq_len, config.model.vocab_size
+    tokens = torch.randint(V, (R, 2, T + 1), generator=gen)
+    ids, targets = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
+    kwargs: dict = {}
+    if case == "skip":
+        bypass = torch.zeros(R, model.S, dtype=torch.bool)
+        bypass[1, 1] = bypass[2, 2] = True
+        kwargs["bypass"] = bypass
+    if case == "reroute":
+        kwargs["route"] = {2: torch.tensor([0, 0, 2])}   # replica 1 goes through replica 0's stage 2
+    ours = _losses_and_grads(model, ids, targets, **kwargs)
+    monkeypatch.setattr(boundary, "anchor_twice", _two_lookups)
+    theirs = _losses_and_grads(model, ids, targets, **kwargs)
+    assert torch.equal(ours[0], theirs[0])
+    assert ours[1].keys() == theirs[1].keys() and {"1.anchor", "2.anchor"} <= ours[1].keys()
+    for name, grad in ours[1].items():
+        assert torch.equal(grad, theirs[1][name]), name
+        # the same zeros too: a sum that cancels to -0.0 stays -0.0
+        assert torch.equal(torch.signbit(grad), torch.signbit(theirs[1][name])), name
+
+
+def test_anchor_twice_is_two_lookups_and_counts_both_uses() -> None:
+    config = tiny(**{"pipeline.compression": "mapl"})
+    model = ReplicatedPipeline(config)
+    params = model.stage_params(1)
+    ids = torch.randint(config.model.vocab_size, (config.replicas, 2, config.model.seq_len),
+                        generator=torch.Generator().manual_seed(1))
+    first, second = boundary.anchor_twice(params, ids, stage=1, fixed=model.fixed)
+    assert torch.equal(first, boundary.anchor_term(params, ids, stage=1, fixed=model.fixed))
+    assert torch.equal(first, second)
+    (3 * first.sum() - second.sum()).backward()
+    both = params["anchor"].grad.clone()
+    params["anchor"].grad = None
+    (2 * boundary.anchor_term(params, ids, stage=1, fixed=model.fixed).sum()).backward()
+    assert torch.allclose(both, params["anchor"].grad)
+    assert both.abs().sum() > 0
