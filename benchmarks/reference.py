@@ -8,6 +8,14 @@ stages, no codecs, no outer sync, no evaluation, no logging: the compute floor.
 
 One step consumes the same tokens as one Crucible inner step: R*B sequences of T tokens, drawn
 from the same corpus the trainer reads.
+
+`codec="mapl"` adds MAPL's boundaries to the plain model the way a practitioner would write them
+(issue 38: the simulator's own overhead on a MAPL run, against a loop that does MAPL's arithmetic
+too): the layers split into `pipeline.stages` stages; stage p has an anchor table E_p (an
+`nn.Embedding` of width k = d / factor) and a fixed orthonormal P_p; after stage s < S-1 the
+activation leaves as Z = (X - E_s[ids] P_s) A_s and enters stage s+1 as Z A_s^T + E_{s+1}[ids]
+P_{s+1}; each basis A_s takes a SPEL step (the formula of docs/ALGORITHMS.md, written out) after
+every AdamW step. One model, so one basis per boundary where the simulator steps R.
 """
 from __future__ import annotations
 
@@ -63,7 +71,8 @@ class ReferenceModel(nn.Module):
     """A single decoder-only transformer of `config.model`'s shape; `forward` returns the mean
     next-token cross-entropy of ids/targets (N, T)."""
 
-    def __init__(self, m: ModelConfig) -> None:
+    def __init__(self, m: ModelConfig, *, mapl: tuple[int, int] | None = None) -> None:
+        """`mapl=(stages, factor)`: MAPL boundaries between that many stages (module docstring)."""
         super().__init__()
         self.embed = nn.Embedding(m.vocab_size, m.d_model)
         self.blocks = nn.ModuleList(_Block(m) for _ in range(m.layers))
@@ -75,21 +84,67 @@ class ReferenceModel(nn.Module):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=m.init_std)
+        self.stages = 1
+        if mapl is not None:
+            self.stages, factor = mapl
+            k = m.d_model // factor
+            self.anchors = nn.ModuleList(nn.Embedding(m.vocab_size, k) for _ in range(self.stages))
+            for table in self.anchors:
+                nn.init.normal_(table.weight, std=m.init_std)
+            self.bases = nn.ParameterList(nn.Parameter(_orthonormal(m.d_model, k))
+                                          for _ in range(self.stages - 1))
+            self.register_buffer("fixed", torch.stack([_orthonormal(m.d_model, k).T
+                                                       for _ in range(self.stages)]),
+                                 persistent=False)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         T = ids.shape[1]
         cos, sin = self.cos[:T], self.sin[:T]
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        per_stage = len(self.blocks) // self.stages
+        message = None   # what crosses the last boundary (MAPL): Z, (N, T, k)
+        for s in range(self.stages):
+            anchor = self.anchors[s](ids) @ self.fixed[s] if self.stages > 1 else None
+            if message is not None:
+                x = message @ self.bases[s - 1].T + anchor
+            for block in self.blocks[s * per_stage:(s + 1) * per_stage]:
+                x = block(x, cos, sin)
+            if s < self.stages - 1:
+                message = (x - anchor) @ self.bases[s]
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _orthonormal(rows: int, cols: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(rows, cols))
+    return q
+
+
+@torch.no_grad()
+def _spel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, lr: float,
+               beta: float, steps: int) -> None:
+    """One SPEL step of a (d, k) basis, in place: the formula of docs/ALGORITHMS.md, one line per
+    term (Riemannian gradient, momentum, quintic Newton-Schulz msign, cubic Newton-Schulz
+    retraction)."""
+    sym = basis.T @ grad
+    riemannian = grad - basis @ (0.5 * (sym + sym.T))
+    momentum.mul_(beta).add_(riemannian, alpha=1 - beta)
+    x = momentum / (momentum.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x.T @ x
+        x = 3.4445 * x + x @ (-4.7750 * gram + 2.0315 * gram @ gram)
+    y = basis - lr * x
+    for _ in range(steps):
+        y = 1.5 * y - 0.5 * y @ (y.T @ y)
+    basis.copy_(y)
+
+
 def _optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
     t = config.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
+    bases = {id(p) for p in getattr(model, "bases", [])}
+    trained = [p for p in model.parameters() if id(p) not in bases]
+    decay = [p for p in trained if p.dim() >= 2]
+    rest = [p for p in trained if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": rest, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
@@ -99,12 +154,17 @@ class ReferenceLoop:
     """The plain loop, one step at a time (so a benchmark can interleave it with other work).
     Deterministic given `config.seed`; `total_steps` sets the learning-rate schedule's length."""
 
-    def __init__(self, config: Config, *, total_steps: int) -> None:
+    def __init__(self, config: Config, *, total_steps: int, codec: str = "none") -> None:
+        """`codec="mapl"`: the model with MAPL's boundaries (module docstring), at
+        `config.pipeline`'s stages and factor; "none": the plain model."""
+        if codec not in ("none", "mapl"):
+            raise ValueError(f"codec must be 'none' or 'mapl', got {codec!r}")
         torch.manual_seed(config.seed)
-        self.config, self.total_steps, self.done = config, total_steps, 0
-        m = config.model
-        self.model = ReferenceModel(m)
+        self.config, self.total_steps, self.done, self.codec = config, total_steps, 0, codec
+        m, pipe = config.model, config.pipeline
+        self.model = ReferenceModel(m, mapl=(pipe.stages, pipe.factor) if codec == "mapl" else None)
         self.opt = _optimizer(self.model, config)
+        self.momenta = [torch.zeros_like(b) for b in getattr(self.model, "bases", [])]
         self.data = TokenData(load_tokens(config.data.path, vocab_size=m.vocab_size), model=m,
                               data=config.data, replicas=config.replicas, seed=config.seed)
 
@@ -122,6 +182,10 @@ class ReferenceLoop:
         loss.backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.opt.step()
+        pipe, lr = self.config.pipeline, self.opt.param_groups[0]["lr"]
+        for basis, momentum in zip(getattr(self.model, "bases", []), self.momenta, strict=True):
+            _spel_step(basis, basis.grad, momentum, lr=lr * pipe.mapl_lr_scale,
+                       beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps)
         self.opt.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
             raise RuntimeError(f"reference loss is {float(loss)} at step {self.done}")
@@ -139,10 +203,12 @@ class ReferenceLoop:
         return total / max(count, 1)
 
 
-def reference_tokens_per_s(config: Config, *, steps: int, warmup: int = 1) -> float:
-    """Train the reference for `steps` steps of R*B sequences of T tokens (after `warmup`
-    untimed steps) and return tokens per second. Deterministic given `config.seed`."""
-    loop = ReferenceLoop(config, total_steps=steps + warmup)
+def reference_tokens_per_s(config: Config, *, steps: int, warmup: int = 1,
+                           codec: str = "none") -> float:
+    """Train the reference (`codec`: as `ReferenceLoop`'s) for `steps` steps of R*B sequences
+    of T tokens (after `warmup` untimed steps) and return tokens per second. Deterministic given
+    `config.seed`."""
+    loop = ReferenceLoop(config, total_steps=steps + warmup, codec=codec)
     for _ in range(warmup):
         loop.step()
     started = time.perf_counter()

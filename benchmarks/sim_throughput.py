@@ -56,6 +56,8 @@ from crucible.train import Trainer
 
 log = logging.getLogger("benchmarks.sim_throughput")
 
+REFERENCES = ("plain", "codec")
+
 ARMS: dict[str, dict[str, object]] = {
     "none": {"pipeline.compression": "none"},
     "ssn": {"pipeline.compression": "ssn"},
@@ -156,11 +158,22 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
     return result
 
 
+def reference_codec(arm: str, reference: str) -> str:
+    """The codec the plain loop carries for `arm`: none for `--reference plain`; for
+    `--reference codec`, MAPL's for the mapl arm (`benchmarks/reference.py`) and none for the
+    others (SSN's fixed projections make its arm cheaper than the plain loop already)."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
+    return "mapl" if reference == "codec" and arm == "mapl" else "none"
+
+
 def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | None,
-            phases: bool, scratch: Path = Path("runs"), interleave: bool = True) -> dict[str, Any]:
+            phases: bool, scratch: Path = Path("runs"), interleave: bool = True,
+            reference: str = "plain") -> dict[str, Any]:
     """Reference and Crucible arm by arm, `repeats` times; medians of the pairs' ratios. With
     `interleave` (the default) the reference runs inside each Crucible run, H steps after every
-    global step; otherwise whole reference runs alternate with whole Crucible runs."""
+    global step; otherwise whole reference runs alternate with whole Crucible runs. `reference`:
+    "plain" (no codec) or "codec" (`reference_codec`)."""
     pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     loop_pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     phase_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -169,13 +182,14 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
         for arm in arms:
             config = arm_config(preset, arm, global_steps=global_steps)
             steps = config.train.global_steps * config.sparseloco.inner_steps
+            codec = reference_codec(arm, reference)
             if interleave:
-                loop = ReferenceLoop(config, total_steps=steps + 1)
+                loop = ReferenceLoop(config, total_steps=steps + 1, codec=codec)
                 loop.step()  # warm-up, untimed, as in the separate mode
                 run = crucible_run(config, phases=phases, scratch=scratch, reference=loop)
                 ref = run["reference_tokens_per_s"]
             else:
-                ref = reference_tokens_per_s(config, steps=steps)
+                ref = reference_tokens_per_s(config, steps=steps, codec=codec)
                 run = crucible_run(config, phases=phases, scratch=scratch)
             pairs[arm].append((run["tokens_per_s"], ref))
             loop_pairs[arm].append((run["loop_tokens_per_s"], ref))
@@ -251,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--separate", dest="interleave", action="store_false",
                         help="alternate whole reference runs with whole Crucible runs instead of "
                              "interleaving the reference step by step inside each run")
+    parser.add_argument("--reference", default="plain", choices=REFERENCES,
+                        help="plain: the loop without a codec, for every arm (the target's "
+                             "reference); codec: the mapl arm against a plain loop with MAPL's "
+                             "boundaries, the simulator's own overhead on MAPL")
     parser.add_argument("--scratch", type=Path, default=Path("runs"),
                         help="folder for the runs' object store and logs (default ./runs, as "
                              "`crucible run`; on this machine /tmp creates files 10x slower)")
@@ -265,7 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     started_on = provenance()
     result = measure(args.preset, arms=arms, repeats=args.repeats,
                      global_steps=args.global_steps, phases=args.phases, scratch=args.scratch,
-                     interleave=args.interleave)
+                     interleave=args.interleave, reference=args.reference)
+    result["reference"] = args.reference
+    for arm in arms:
+        result["arms"][arm]["reference_codec"] = reference_codec(arm, args.reference)
     result["provenance"] = started_on
     if args.json:
         print(json.dumps(result, indent=2))

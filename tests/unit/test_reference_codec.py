@@ -1,0 +1,67 @@
+"""The plain loop with MAPL's boundaries (benchmarks/reference.py, `codec="mapl"`): the codec is
+really in the forward (with zero anchors, lossless at factor 1 and not at factor 8), its bases take SPEL steps and stay
+orthonormal, and sim_throughput pairs the mapl arm with it under `--reference codec`."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.reference import ReferenceLoop, ReferenceModel
+from benchmarks.sim_throughput import measure, reference_codec
+from crucible.presets import get_preset
+
+
+def _batch(config, n: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(config.model.vocab_size, (n, config.model.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_mapl_boundaries_are_in_the_forward() -> None:
+    config = get_preset("smoke")
+    ids, targets = _batch(config)
+    torch.manual_seed(0)
+    plain = ReferenceModel(config.model)
+    for factor, lossless in ((1, True), (8, False)):
+        coded = ReferenceModel(config.model, mapl=(config.pipeline.stages, factor))
+        coded.load_state_dict(plain.state_dict(), strict=False)   # the same blocks
+        for table in coded.anchors:   # each stage adds its own anchor back: zero, they cancel
+            torch.nn.init.zeros_(table.weight)
+        with torch.no_grad():
+            same = torch.allclose(coded(ids, targets), plain(ids, targets), rtol=1e-5, atol=1e-5)
+        assert same == lossless, f"factor {factor}"
+
+
+def test_a_mapl_reference_step_trains_anchors_and_steps_bases_on_the_manifold() -> None:
+    config = get_preset("smoke")
+    loop = ReferenceLoop(config, total_steps=10, codec="mapl")
+    model = loop.model
+    assert len(model.bases) == config.pipeline.stages - 1
+    assert len(model.anchors) == config.pipeline.stages
+    bases = [b.detach().clone() for b in model.bases]
+    anchors = [a.weight.detach().clone() for a in model.anchors]
+    for _ in range(2):
+        loop.step()
+    eye = torch.eye(bases[0].shape[1])
+    for before, after in zip(bases, model.bases, strict=True):
+        assert not torch.equal(before, after.detach())
+        assert torch.allclose(after.detach().T @ after.detach(), eye, atol=1e-4)
+    assert all(not torch.equal(a, t.weight.detach()) for a, t in zip(anchors, model.anchors,
+                                                                      strict=True))
+    # the bases are not AdamW's: their only update is the SPEL step
+    adamw = {id(p) for group in loop.opt.param_groups for p in group["params"]}
+    assert not adamw & {id(b) for b in model.bases}
+    with pytest.raises(ValueError, match="codec"):
+        ReferenceLoop(config, total_steps=1, codec="ssn")
+
+
+def test_sim_throughput_pairs_only_the_mapl_arm_with_the_codec_reference(tmp_path: Path) -> None:
+    assert reference_codec("mapl", "codec") == "mapl"
+    assert {reference_codec(a, "codec") for a in ("none", "ssn", "skip_p0.2")} == {"none"}
+    assert reference_codec("mapl", "plain") == "none"
+    with pytest.raises(ValueError, match="reference"):
+        reference_codec("mapl", "fused")
+    result = measure("smoke", arms=["mapl"], repeats=1, global_steps=1, phases=False,
+                     scratch=tmp_path, reference="codec")
+    arm = result["arms"]["mapl"]
+    assert arm["ratio"] > 0 and arm["reference_tokens_per_s"] > 0
