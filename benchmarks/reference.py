@@ -116,6 +116,7 @@ class ReferenceModel(nn.Module):
 
 
 def _orthonormal(rows: int, cols: int) -> torch.Tensor:
+    # the plain loop's own (no code of crucible's codec): a practitioner's QR of a Gaussian
     q, _ = torch.linalg.qr(torch.randn(rows, cols))
     return q
 
@@ -160,7 +161,7 @@ class ReferenceLoop:
         if codec not in ("none", "mapl"):
             raise ValueError(f"codec must be 'none' or 'mapl', got {codec!r}")
         torch.manual_seed(config.seed)
-        self.config, self.total_steps, self.done, self.codec = config, total_steps, 0, codec
+        self.config, self.total_steps, self.done = config, total_steps, 0
         m, pipe = config.model, config.pipeline
         self.model = ReferenceModel(m, mapl=(pipe.stages, pipe.factor) if codec == "mapl" else None)
         self.opt = _optimizer(self.model, config)
@@ -176,13 +177,16 @@ class ReferenceLoop:
     def step(self) -> None:
         t = self.config.train
         ids, targets = self.data.batches(replicas=self.config.replicas, batch_size=t.batch_size)
+        lr = lr_at(self.done, train=t, total_steps=self.total_steps)
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.done, train=t, total_steps=self.total_steps)
+            group["lr"] = lr
         loss = self.model(ids.flatten(0, 1), targets.flatten(0, 1))
         loss.backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        # AdamW's parameters only: MAPL's bases are not clipped (nor are the simulator's)
+        nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]],
+                                 t.grad_clip)
         self.opt.step()
-        pipe, lr = self.config.pipeline, self.opt.param_groups[0]["lr"]
+        pipe = self.config.pipeline
         for basis, momentum in zip(getattr(self.model, "bases", []), self.momenta, strict=True):
             _spel_step(basis, basis.grad, momentum, lr=lr * pipe.mapl_lr_scale,
                        beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps)

@@ -208,6 +208,11 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
             result["arms"][arm]["timing_s"] = {
                 n: statistics.median(t[n] for t in timing_runs[arm]) for n in sorted(names)}
     result["interleaved"] = interleave
+    # which loop each arm was paired with: under "codec" the top-level `ratio`/`worst_arm` are
+    # the mapl arm's against its codec's loop and the others' against the plain one
+    result["reference"] = reference
+    for arm in arms:
+        result["arms"][arm]["reference_codec"] = reference_codec(arm, reference)
     return result
 
 
@@ -284,9 +289,6 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(args.preset, arms=arms, repeats=args.repeats,
                      global_steps=args.global_steps, phases=args.phases, scratch=args.scratch,
                      interleave=args.interleave, reference=args.reference)
-    result["reference"] = args.reference
-    for arm in arms:
-        result["arms"][arm]["reference_codec"] = reference_codec(arm, args.reference)
     result["provenance"] = started_on
     if args.json:
         print(json.dumps(result, indent=2))

@@ -105,8 +105,9 @@ class _AnchorTwice(torch.autograd.Function):
         total = None
         for grad in grads:
             looked_up = grad.reshape(-1, grad.shape[-1]).mm(fixed.t()).view(*ids.shape, -1)
-            table = grad.new_zeros(ctx.table_shape).index_put_((rows, ids), looked_up,
-                                                               accumulate=True)
+            # IndexBackward's own call: accumulate, indices known to be in range (no check)
+            table = torch.ops.aten._index_put_impl_(grad.new_zeros(ctx.table_shape), (rows, ids),
+                                                    looked_up, True, True)
             total = table if total is None else total + table
         return total, None, None, None
 
@@ -204,26 +205,42 @@ def wire_bytes(config: Config) -> tuple[int, int]:
 
 
 class Workspace:
-    """Scratch tensors that the Stiefel step reuses from call to call, by name: at the study's
-    shapes an allocation of a (R (S-1), d, k) tensor costs more than the arithmetic done in it
-    (fresh pages every time), and a step makes a few dozen. Results never live here: the step
-    copies them into the bases and momenta it updates. One per caller (a trainer, a stage)."""
+    """Scratch tensors that the Stiefel step reuses from call to call, by name, instead of a
+    fresh tensor per operation (a step makes a few dozen; on a CPU each fresh (R (S-1), d, k)
+    tensor is fresh pages to fault in). Results never live here: the step copies them into the
+    bases and momenta it updates. One per caller (a trainer, a stage).
+
+    `work(name, like)`: a buffer of `like`'s shape *and strides*, the layout the written-out
+    formula's elementwise result on `like` has (a matmul of a column-major operand rounds
+    otherwise than of a contiguous one); `work(name, like, shape)`: a contiguous one, the
+    layout of a matmul's result."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def __call__(self, name: str, like: torch.Tensor,
+                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
         buffer = self._buffers.get(name)
-        if (buffer is None or buffer.shape != shape or buffer.dtype != like.dtype
-                or buffer.device != like.device):
-            buffer = self._buffers[name] = like.new_empty(shape)
+        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
+            fits = False
+        elif shape is None:
+            fits = buffer.shape == like.shape and buffer.stride() == like.stride()
+        else:
+            fits = buffer.shape == shape and buffer.is_contiguous()
+        if not fits:
+            buffer = torch.empty_like(like) if shape is None else like.new_empty(shape)
+            self._buffers[name] = buffer
         return buffer
 
 
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    # a 0-dim CPU tensor of `like`'s dtype: `torch.mul(t, scalar, out=)` then multiplies by the
-    # same float a Python number gives (`t * value`), without converting the number each call
-    return torch.tensor(value, dtype=like.dtype)
+def _scalar(value: float, like: torch.Tensor) -> float | torch.Tensor:
+    # `torch.mul(t, value, out=)` converts a Python number on every call; a 0-dim CPU tensor of
+    # t's dtype is the same float (`t * value` computes in float32 for float32 t, float64 for
+    # float64 t) without that. Not for a reduced dtype, whose 0-dim tensor would round the
+    # number itself: there the number stays a number.
+    if like.dtype in (torch.float32, torch.float64):
+        return torch.tensor(value, dtype=like.dtype)
+    return value
 
 
 def msign(m: torch.Tensor, steps: int) -> torch.Tensor:
@@ -240,10 +257,10 @@ def _msign(m: torch.Tensor, steps: int, work: Workspace) -> torch.Tensor:
     n, _, k = m.shape
     a_, c_ = _scalar(a, m), _scalar(c, m)
     norms = m.flatten(1).norm(dim=1)[:, None, None] + 1e-7
-    x = torch.div(m, norms, out=work("msign.x", m.shape, m))
-    other = work("msign.other", m.shape, m)
-    product = work("msign.product", m.shape, m)
-    gram, scaled, poly = (work(f"msign.{name}", (n, k, k), m) for name in ("gram", "scaled", "poly"))
+    x = torch.div(m, norms, out=work("msign.x", m))
+    other = work("msign.other", m)
+    product = work("msign.product", m, m.shape)
+    gram, scaled, poly = (work(f"msign.{name}", m, (n, k, k)) for name in ("gram", "scaled", "poly"))
     for _ in range(steps):
         torch.bmm(x.transpose(1, 2), x, out=gram)
         torch.mul(gram, c_, out=scaled)
@@ -267,9 +284,9 @@ def _retract_(x: torch.Tensor, steps: int, work: Workspace) -> torch.Tensor:
     # `retract` in place on x: x <- 1.5 * x - 0.5 * x @ (x^T x), the same operations in the same
     # order as that line (0.5 * x @ g is (0.5 * x) @ g), into `work`'s buffers
     n, _, k = x.shape
-    gram = work("retract.gram", (n, k, k), x)
-    half = work("retract.half", x.shape, x)
-    product = work("retract.product", x.shape, x)
+    gram = work("retract.gram", x, (n, k, k))
+    half = work("retract.half", x)
+    product = work("retract.product", x, x.shape)
     half_ = _scalar(0.5, x)
     for _ in range(steps):
         torch.bmm(x.transpose(1, 2), x, out=gram)
@@ -296,13 +313,13 @@ def stiefel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor
     # on contiguous tensors (the batched step's already are) and writes back into the caller's
     target_basis, target_momentum = basis, momentum
     basis, grad, momentum = basis.contiguous(), grad.contiguous(), momentum.contiguous()
-    sym = torch.bmm(basis.transpose(1, 2), grad, out=work("step.sym", (n, k, k), basis))
-    both = torch.add(sym, sym.transpose(1, 2), out=work("step.both", (n, k, k), basis))
+    sym = torch.bmm(basis.transpose(1, 2), grad, out=work("step.sym", basis, (n, k, k)))
+    both = torch.add(sym, sym.transpose(1, 2), out=work("step.both", basis, (n, k, k)))
     both.mul_(0.5)
-    riemannian = torch.bmm(basis, both, out=work("step.riemannian", basis.shape, basis))
+    riemannian = torch.bmm(basis, both, out=work("step.riemannian", basis, basis.shape))
     torch.sub(grad, riemannian, out=riemannian)
     new_momentum = torch.mul(momentum, _scalar(beta, basis),
-                             out=work("step.momentum", basis.shape, basis))
+                             out=work("step.momentum", momentum))
     riemannian.mul_(1 - beta)
     torch.add(new_momentum, riemannian, out=new_momentum)
     direction = _msign(new_momentum, steps, work)
@@ -330,9 +347,9 @@ def stiefel_steps(bases: list[torch.Tensor], grads: list[torch.Tensor],
         return
     work = work or Workspace()
     shape = (sum(b.shape[0] for b in bases), *bases[0].shape[1:])
-    basis = torch.cat(bases, out=work("steps.basis", shape, bases[0]))
-    momentum = torch.cat(momenta, out=work("steps.momentum", shape, bases[0]))
-    grad = torch.cat(grads, out=work("steps.grad", shape, bases[0]))
+    basis = torch.cat(bases, out=work("steps.basis", bases[0], shape))
+    momentum = torch.cat(momenta, out=work("steps.momentum", bases[0], shape))
+    grad = torch.cat(grads, out=work("steps.grad", bases[0], shape))
     stiefel_step(basis, grad, momentum, lr=lr, beta=beta, steps=steps, mask=torch.cat(masks),
                  work=work)
     for i, (b, m) in enumerate(zip(bases, momenta, strict=True)):

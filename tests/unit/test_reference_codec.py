@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.reference import ReferenceLoop, ReferenceModel
+from benchmarks import reference
+from benchmarks.reference import ReferenceLoop, ReferenceModel, _spel_step
 from benchmarks.sim_throughput import measure, reference_codec
+from crucible import boundary
 from crucible.presets import get_preset
 
 
@@ -25,15 +27,39 @@ def test_mapl_boundaries_are_in_the_forward() -> None:
     for factor, lossless in ((1, True), (8, False)):
         coded = ReferenceModel(config.model, mapl=(config.pipeline.stages, factor))
         coded.load_state_dict(plain.state_dict(), strict=False)   # the same blocks
-        for table in coded.anchors:   # each stage adds its own anchor back: zero, they cancel
-            torch.nn.init.zeros_(table.weight)
+        for table in coded.anchors:   # a stage adds its own anchor back, the sender's came off:
+            torch.nn.init.zeros_(table.weight)   # zero anchors, so that only the bases act
         with torch.no_grad():
             same = torch.allclose(coded(ids, targets), plain(ids, targets), rtol=1e-5, atol=1e-5)
         assert same == lossless, f"factor {factor}"
 
 
-def test_a_mapl_reference_step_trains_anchors_and_steps_bases_on_the_manifold() -> None:
+def test_the_reference_spel_step_is_the_simulators() -> None:
+    gen = torch.Generator().manual_seed(2)
+    basis = torch.linalg.qr(torch.randn(64, 8, generator=gen))[0].contiguous()
+    grad = torch.randn(64, 8, generator=gen)
+    momentum = 0.1 * torch.randn(64, 8, generator=gen)
+    theirs = [basis[None].clone(), momentum[None].clone()]
+    boundary.stiefel_step(theirs[0], grad[None], theirs[1], lr=0.02, beta=0.9, steps=5,
+                          mask=torch.ones(1, dtype=torch.bool))
+    _spel_step(basis, grad, momentum, lr=0.02, beta=0.9, steps=5)
+    assert torch.allclose(basis, theirs[0][0], atol=1e-5)
+    assert torch.allclose(momentum, theirs[1][0], atol=1e-6)
+    assert not torch.allclose(basis, theirs[0][0] - 0.01, atol=1e-5)
+
+
+def test_a_mapl_reference_step_trains_anchors_and_steps_bases_on_the_manifold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     config = get_preset("smoke")
+    clipped: list[list[torch.Tensor]] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm):
+        parameters = list(parameters)
+        clipped.append(parameters)
+        return clip(parameters, max_norm)
+
+    monkeypatch.setattr(reference.nn.utils, "clip_grad_norm_", spy)
     loop = ReferenceLoop(config, total_steps=10, codec="mapl")
     model = loop.model
     assert len(model.bases) == config.pipeline.stages - 1
@@ -51,6 +77,8 @@ def test_a_mapl_reference_step_trains_anchors_and_steps_bases_on_the_manifold() 
     # the bases are not AdamW's: their only update is the SPEL step
     adamw = {id(p) for group in loop.opt.param_groups for p in group["params"]}
     assert not adamw & {id(b) for b in model.bases}
+    # and they are not clipped with AdamW's gradients (the simulator does not clip them)
+    assert len(clipped) == 2 and {id(p) for p in clipped[0]} == adamw
     with pytest.raises(ValueError, match="codec"):
         ReferenceLoop(config, total_steps=1, codec="ssn")
 
@@ -65,3 +93,4 @@ def test_sim_throughput_pairs_only_the_mapl_arm_with_the_codec_reference(tmp_pat
                      scratch=tmp_path, reference="codec")
     arm = result["arms"]["mapl"]
     assert arm["ratio"] > 0 and arm["reference_tokens_per_s"] > 0
+    assert result["reference"] == "codec" and arm["reference_codec"] == "mapl"
