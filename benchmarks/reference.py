@@ -85,6 +85,7 @@ class ReferenceModel(nn.Module):
             if p.dim() == 2:
                 nn.init.normal_(p, std=m.init_std)
         self.stages = 1
+        self.bases = nn.ParameterList()   # MAPL's, stepped by SPEL rather than AdamW; none without
         if mapl is not None:
             self.stages, factor = mapl
             k = m.d_model // factor
@@ -140,9 +141,9 @@ def _spel_step(basis: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, 
     basis.copy_(y)
 
 
-def _optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
+def _optimizer(model: ReferenceModel, config: Config) -> torch.optim.AdamW:
     t = config.train
-    bases = {id(p) for p in getattr(model, "bases", [])}
+    bases = {id(p) for p in model.bases}
     trained = [p for p in model.parameters() if id(p) not in bases]
     decay = [p for p in trained if p.dim() >= 2]
     rest = [p for p in trained if p.dim() < 2]
@@ -165,7 +166,7 @@ class ReferenceLoop:
         m, pipe = config.model, config.pipeline
         self.model = ReferenceModel(m, mapl=(pipe.stages, pipe.factor) if codec == "mapl" else None)
         self.opt = _optimizer(self.model, config)
-        self.momenta = [torch.zeros_like(b) for b in getattr(self.model, "bases", [])]
+        self.momenta = [torch.zeros_like(b) for b in self.model.bases]
         self.data = TokenData(load_tokens(config.data.path, vocab_size=m.vocab_size), model=m,
                               data=config.data, replicas=config.replicas, seed=config.seed)
 
@@ -187,7 +188,7 @@ class ReferenceLoop:
                                  t.grad_clip)
         self.opt.step()
         pipe = self.config.pipeline
-        for basis, momentum in zip(getattr(self.model, "bases", []), self.momenta, strict=True):
+        for basis, momentum in zip(self.model.bases, self.momenta, strict=True):
             _spel_step(basis, basis.grad, momentum, lr=lr * pipe.mapl_lr_scale,
                        beta=pipe.mapl_momentum, steps=pipe.mapl_ns_steps)
         self.opt.zero_grad(set_to_none=True)

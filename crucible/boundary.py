@@ -68,10 +68,20 @@ def initial_basis(config: Config, stage: int) -> torch.Tensor:
     return _orthonormal(config.model.d_model, k, generator(config.seed, _SUBSPACE_STREAM, stage))
 
 
+def _rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each replica's row index (R, 1, 1) into its anchor table (R, V, k)."""
+    return torch.arange(table.shape[0], device=ids.device)[:, None, None]
+
+
+def _lookup(table: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+            fixed: torch.Tensor) -> torch.Tensor:
+    """E[ids] P (R, B, T, d): the one expression every anchor term is computed by."""
+    return table[rows, ids] @ fixed
+
+
 def _anchor(params: dict[str, torch.Tensor], ids: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
-    table = params["anchor"]                                   # (R, V, k)
-    rows = torch.arange(table.shape[0], device=ids.device)[:, None, None]
-    return table[rows, ids] @ fixed                            # (R, B, T, d)
+    table = params["anchor"]
+    return _lookup(table, _rows(table, ids), ids, fixed)
 
 
 def anchor_term(params: dict[str, torch.Tensor], ids: torch.Tensor, *, stage: int,
@@ -96,7 +106,7 @@ class _AnchorTwice(torch.autograd.Function):
                 fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(rows, ids, fixed)
         ctx.table_shape = table.shape
-        anchor = table[rows, ids] @ fixed
+        anchor = _lookup(table, rows, ids, fixed)
         return anchor, anchor.detach()
 
     @staticmethod
@@ -122,8 +132,7 @@ def anchor_twice(params: dict[str, torch.Tensor], ids: torch.Tensor, *, stage: i
         return (anchor_term(params, ids, stage=stage, fixed=fixed),
                 anchor_term(params, ids, stage=stage, fixed=fixed))
     table = params["anchor"]
-    rows = torch.arange(table.shape[0], device=ids.device)[:, None, None]
-    return _AnchorTwice.apply(table, rows, ids, fixed.anchors_fixed[stage])
+    return _AnchorTwice.apply(table, _rows(table, ids), ids, fixed.anchors_fixed[stage])
 
 
 def encode(kind: str, x: torch.Tensor, ids: torch.Tensor, *, sender: dict[str, torch.Tensor],
@@ -246,7 +255,7 @@ def _scalar(value: float, like: torch.Tensor) -> float | torch.Tensor:
 def msign(m: torch.Tensor, steps: int) -> torch.Tensor:
     """Approximate polar factor of tall matrices m (R, d, k) by quintic Newton-Schulz iterations
     (the direction of a Stiefel step; exact orthonormality is not needed there)."""
-    return _msign(m, steps, Workspace()).clone()
+    return _msign(m, steps, Workspace())   # a buffer of a workspace no one else holds
 
 
 def _msign(m: torch.Tensor, steps: int, work: Workspace) -> torch.Tensor:
