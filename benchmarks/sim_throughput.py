@@ -20,6 +20,13 @@ the training loop without the end-of-run reports (MAPL's basis report; the align
 runs only where a study asks for it since issue 35), whose cost is fixed per run and so weighs 3x more in a 10-step
 run than in the preset's 30.
 
+`--reference codec` pairs the mapl arm with a plain loop that carries MAPL's boundaries instead
+(`benchmarks/reference.py`, `codec="mapl"`): the simulator's own overhead on MAPL, without
+MAPL's arithmetic counted against it. `--reference both` runs the two loops in each mapl run,
+one after the other and timed apart, so that one sitting gives the plain pairs, the pairs with
+the codec's loop (`against_codec`) and the codec's cost to a plain loop (`codec_loop_over_plain`),
+pair by pair. Every arm's pairs also give a mean with a 95% Student-t interval (`interval`).
+
     python -m benchmarks.sim_throughput --preset small --json
     python -m benchmarks.sim_throughput --preset smoke --repeats 3 --threads 1 --phases
 
@@ -51,12 +58,13 @@ from benchmarks.reference import ReferenceLoop, reference_tokens_per_s
 from crucible.config import Config, apply_overrides
 from crucible.events import JsonlCallback
 from crucible.presets import get_preset
+from crucible.stats.intervals import summarise
 from crucible.store import LocalStore
 from crucible.train import Trainer
 
 log = logging.getLogger("benchmarks.sim_throughput")
 
-REFERENCES = ("plain", "codec")
+REFERENCES = ("plain", "codec", "both")
 
 ARMS: dict[str, dict[str, object]] = {
     "none": {"pipeline.compression": "none"},
@@ -96,23 +104,28 @@ def _instrument(trainer: Trainer) -> dict[str, float]:
 
 
 def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("runs"),
-                 reference: ReferenceLoop | None = None) -> dict[str, Any]:
+                 reference: ReferenceLoop | None = None,
+                 also: ReferenceLoop | None = None) -> dict[str, Any]:
     """One `Trainer.run()` in a scratch directory under `scratch` (where `crucible run` writes:
     its out folder, store included, is under ./runs); tokens/s over the run's wall time (the
     trainer's construction - data loading, initialisation - is not timed).
 
     With `reference`, H steps of the plain loop run after every global step (through `run`'s
     `on_step` hook) and are timed on their own: both sides then see the same machine, global step
-    by global step, and the reference's time is taken out of the run's."""
+    by global step, and the reference's time is taken out of the run's. `also` (with
+    `reference`): a second loop interleaved the same way right after the first, timed on its
+    own (`also_tokens_per_s`), so that one run pairs the arm with two loops."""
     scratch.mkdir(parents=True, exist_ok=True)
-    ref_s = 0.0
+    assert also is None or reference is not None, "`also` is a second reference"
+    loops = [loop for loop in (reference, also) if loop is not None]
+    spent = [0.0 for _ in loops]
 
     def interleave(_done: int, _total: int) -> None:
-        nonlocal ref_s
-        started = time.perf_counter()
-        for _ in range(config.sparseloco.inner_steps):
-            reference.step()  # type: ignore[union-attr]
-        ref_s += time.perf_counter() - started
+        for i, loop in enumerate(loops):
+            started = time.perf_counter()
+            for _ in range(config.sparseloco.inner_steps):
+                loop.step()
+            spent[i] += time.perf_counter() - started
 
     with tempfile.TemporaryDirectory(prefix="crucible-bench-", dir=scratch) as tmp:
         sink = JsonlCallback(Path(tmp) / "out")
@@ -125,16 +138,17 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
             crucible_evaluate = trainer.evaluate
 
             def evaluate_both(**kwargs: Any) -> float:
-                nonlocal ref_s
                 value = crucible_evaluate(**kwargs)
-                started = time.perf_counter()
-                reference.evaluate(trainer.validation)  # type: ignore[union-attr]
-                ref_s += time.perf_counter() - started
+                for i, loop in enumerate(loops):
+                    started = time.perf_counter()
+                    loop.evaluate(trainer.validation)
+                    spent[i] += time.perf_counter() - started
                 return value
 
             trainer.evaluate = evaluate_both  # type: ignore[method-assign]
         start = time.perf_counter()
         summary = trainer.run(on_step=interleave if reference is not None else None)
+        ref_s = sum(spent)
         elapsed = time.perf_counter() - start - ref_s
         sink.close()
     result: dict[str, Any] = {"tokens": summary["tokens_processed"], "wall_s": elapsed,
@@ -144,9 +158,10 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
     loop_s = summary["wall_s"] - ref_s
     result.update(loop_s=loop_s, reports_s=elapsed - loop_s,
                   loop_tokens_per_s=summary["tokens_processed"] / loop_s)
-    if reference is not None:
-        steps = reference.done - 1  # less the warm-up step
-        result["reference_tokens_per_s"] = steps * reference.tokens_per_step / ref_s
+    for key, loop, seconds in zip(("reference_tokens_per_s", "also_tokens_per_s"), loops, spent,
+                                  strict=False):
+        steps = loop.done - 1  # less the warm-up step
+        result[key] = steps * loop.tokens_per_step / seconds
     if phases:
         result["phases_s"] = dict(timings)
         # what the loop's phases leave out: the end-of-run reports (alignment, MAPL bases,
@@ -167,27 +182,54 @@ def reference_codec(arm: str, reference: str) -> str:
     return "mapl" if reference == "codec" and arm == "mapl" else "none"
 
 
+def also_codec(arm: str, reference: str) -> str | None:
+    """`--reference both`: the codec of the second loop the mapl arm is paired with in the same
+    run (MAPL's), besides the plain one `reference_codec` gives it; None for every other case."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
+    return "mapl" if reference == "both" and arm == "mapl" else None
+
+
 def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | None,
             phases: bool, scratch: Path = Path("runs"), interleave: bool = True,
             reference: str = "plain") -> dict[str, Any]:
     """Reference and Crucible arm by arm, `repeats` times; medians of the pairs' ratios. With
     `interleave` (the default) the reference runs inside each Crucible run, H steps after every
     global step; otherwise whole reference runs alternate with whole Crucible runs. `reference`:
-    "plain" (no codec) or "codec" (`reference_codec`)."""
+    "plain" (no codec), "codec" (`reference_codec`) or "both": the target's plain pairs, and for
+    the mapl arm, in the same runs, pairs with the loop that carries MAPL's codec
+    (`against_codec`) and that loop's speed over the plain one's (`codec_loop_over_plain`), the
+    codec's own cost to a plain loop, measured pair by pair (interleaved runs only)."""
+    if reference == "both" and not interleave:
+        raise ValueError("--reference both pairs two loops inside one run: it needs interleaving")
     pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     loop_pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     phase_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     timing_runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    codec_pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    loop_costs: dict[str, list[float]] = {arm: [] for arm in arms}
     for rep in range(repeats):
         for arm in arms:
             config = arm_config(preset, arm, global_steps=global_steps)
             steps = config.train.global_steps * config.sparseloco.inner_steps
             codec = reference_codec(arm, reference)
+            second = also_codec(arm, reference)
             if interleave:
                 loop = ReferenceLoop(config, total_steps=steps + 1, codec=codec)
                 loop.step()  # warm-up, untimed, as in the separate mode
-                run = crucible_run(config, phases=phases, scratch=scratch, reference=loop)
+                also = None
+                if second is not None:
+                    also = ReferenceLoop(config, total_steps=steps + 1, codec=second)
+                    also.step()
+                run = crucible_run(config, phases=phases, scratch=scratch, reference=loop,
+                                   also=also)
                 ref = run["reference_tokens_per_s"]
+                if also is not None:
+                    codec_pairs[arm].append((run["tokens_per_s"], run["also_tokens_per_s"]))
+                    loop_costs[arm].append(run["also_tokens_per_s"] / ref)
+                    log.info("repeat %d arm %s: codec loop %.0f tok/s, ratio %.3f", rep, arm,
+                             run["also_tokens_per_s"],
+                             run["tokens_per_s"] / run["also_tokens_per_s"])
             else:
                 ref = reference_tokens_per_s(config, steps=steps, codec=codec)
                 run = crucible_run(config, phases=phases, scratch=scratch)
@@ -207,13 +249,41 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
             names = set.intersection(*(set(t) for t in timing_runs[arm]))
             result["arms"][arm]["timing_s"] = {
                 n: statistics.median(t[n] for t in timing_runs[arm]) for n in sorted(names)}
+        if codec_pairs[arm]:
+            runs = codec_pairs[arm]
+            result["arms"][arm]["against_codec"] = {
+                "ratio": statistics.median(c / r for c, r in runs),
+                "ratios": [round(c / r, 4) for c, r in runs],
+                "interval": ratio_interval([c / r for c, r in runs]),
+                "reference_tokens_per_s": statistics.median(r for _, r in runs)}
+            result["arms"][arm]["codec_loop_over_plain"] = {
+                "ratios": [round(x, 4) for x in loop_costs[arm]],
+                "interval": ratio_interval(loop_costs[arm])}
     result["interleaved"] = interleave
     # which loop each arm was paired with: under "codec" the top-level `ratio`/`worst_arm` are
     # the mapl arm's against its codec's loop and the others' against the plain one
     result["reference"] = reference
     for arm in arms:
         result["arms"][arm]["reference_codec"] = reference_codec(arm, reference)
+        if also_codec(arm, reference) is not None:
+            result["arms"][arm]["also_codec"] = also_codec(arm, reference)
     return result
+
+
+def ratio_interval(ratios: list[float]) -> dict[str, float | int | None]:
+    """The pairs' mean ratio with its two-sided 95% Student-t interval (`lo`/`hi` None for one
+    pair): what a target such as 0.9 is resolved against. The median (`ratio`) says where the
+    pairs sit; the interval says whether their spread lets a claim be made."""
+    mean, lo, hi, n = summarise(ratios)
+    return {"mean": mean, "lo": lo, "hi": hi, "n": n}
+
+
+def interval_text(interval: dict[str, Any]) -> str:
+    """`ratio_interval`'s result as a table prints it: "0.904 [0.860, 0.949]" ("[-]" for one
+    pair, which has no spread to estimate)."""
+    if interval["lo"] is None:
+        return f"{interval['mean']:.3f} [-]"
+    return f"{interval['mean']:.3f} [{interval['lo']:.3f}, {interval['hi']:.3f}]"
 
 
 def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, float]]],
@@ -227,6 +297,7 @@ def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, 
             "crucible_tokens_per_s": statistics.median(c for c, _ in runs),
             "reference_tokens_per_s": statistics.median(r for _, r in runs),
             "ratios": [round(c / r, 4) for c, r in runs],
+            "interval": ratio_interval([c / r for c, r in runs]),
         }
         if phase_runs[arm]:
             names = phase_runs[arm][0].keys()
@@ -248,11 +319,12 @@ def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, 
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = ["| arm | crucible tokens/s | reference tokens/s | ratio (median of pairs) | pairs |",
-             "|---|---|---|---|---|"]
+    lines = ["| arm | crucible tokens/s | reference tokens/s | ratio (median of pairs) "
+             "| mean [95% interval] | pairs |", "|---|---|---|---|---|---|"]
     for arm, r in result["arms"].items():
         lines.append(f"| {arm} | {r['crucible_tokens_per_s']:.0f} | {r['reference_tokens_per_s']:.0f}"
-                     f" | {r['ratio']:.3f} | {', '.join(f'{x:.3f}' for x in r['ratios'])} |")
+                     f" | {r['ratio']:.3f} | {interval_text(r['interval'])}"
+                     f" | {', '.join(f'{x:.3f}' for x in r['ratios'])} |")
     return "\n".join(lines)
 
 
@@ -273,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", default="plain", choices=REFERENCES,
                         help="plain: the loop without a codec, for every arm (the target's "
                              "reference); codec: the mapl arm against a plain loop with MAPL's "
-                             "boundaries, the simulator's own overhead on MAPL")
+                             "boundaries, the simulator's own overhead on MAPL; both: the plain "
+                             "pairs, and the mapl arm paired with both loops in the same runs")
     parser.add_argument("--scratch", type=Path, default=Path("runs"),
                         help="folder for the runs' object store and logs (default ./runs, as "
                              "`crucible run`; on this machine /tmp creates files 10x slower)")
@@ -282,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    if args.reference == "both" and not args.interleave:
+        parser.error("--reference both pairs two loops inside one run: drop --separate")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -294,6 +369,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, indent=2))
     else:
         print(_table(result))
+        for arm, r in result["arms"].items():
+            if "against_codec" in r:
+                print(f"{arm} against the loop with its codec: "
+                      f"{interval_text(r['against_codec']['interval'])}; that loop over the plain "
+                      f"one: {interval_text(r['codec_loop_over_plain']['interval'])}")
         print(f"ratio (worst arm, {result['worst_arm']}): {result['ratio']:.3f}")
 
 

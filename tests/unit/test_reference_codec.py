@@ -1,14 +1,15 @@
 """The plain loop with MAPL's boundaries (benchmarks/reference.py, `codec="mapl"`): the codec is
 really in the forward (with zero anchors, lossless at factor 1 and not at factor 8), its bases take SPEL steps and stay
-orthonormal, and sim_throughput pairs the mapl arm with it under `--reference codec`."""
+orthonormal, and sim_throughput pairs the mapl arm with it under `--reference codec`, or with it
+and the plain loop in the same runs under `--reference both`."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import reference
+from benchmarks import reference, sim_throughput
 from benchmarks.reference import ReferenceLoop, ReferenceModel, _spel_step
-from benchmarks.sim_throughput import measure, reference_codec
+from benchmarks.sim_throughput import also_codec, measure, reference_codec
 from crucible import boundary
 from crucible.presets import get_preset
 
@@ -94,3 +95,45 @@ def test_sim_throughput_pairs_only_the_mapl_arm_with_the_codec_reference(tmp_pat
     arm = result["arms"]["mapl"]
     assert arm["ratio"] > 0 and arm["reference_tokens_per_s"] > 0
     assert result["reference"] == "codec" and arm["reference_codec"] == "mapl"
+
+
+def test_both_pairs_the_mapl_arm_with_each_loop_in_the_same_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert also_codec("mapl", "both") == "mapl" and reference_codec("mapl", "both") == "none"
+    assert {also_codec(a, r) for a in ("none", "ssn", "skip_p0.2") for r in ("plain", "codec", "both")} \
+        | {also_codec("mapl", "plain"), also_codec("mapl", "codec")} == {None}
+    built: list[ReferenceLoop] = []
+    init = ReferenceLoop.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(ReferenceLoop, "__init__", spy)
+    result = measure("smoke", arms=["none", "mapl"], repeats=2, global_steps=1, phases=False,
+                     scratch=tmp_path, reference="both")
+    # per repeat: one plain loop for none; a plain and a codec loop for mapl, run alike
+    assert [loop.model.stages > 1 for loop in built] == [False, False, True] * 2
+    assert built[1].done == built[2].done > 1
+    mapl, none = result["arms"]["mapl"], result["arms"]["none"]
+    assert "against_codec" not in none and "also_codec" not in none
+    assert mapl["reference_codec"] == "none" and mapl["also_codec"] == "mapl"
+    coded = mapl["against_codec"]
+    assert len(coded["ratios"]) == len(mapl["ratios"]) == 2 and coded["interval"]["n"] == 2
+    # each pair's two ratios and the loops' speeds are one run's: ratio_plain / ratio_codec is
+    # the codec loop's speed over the plain loop's, pair by pair
+    cost = mapl["codec_loop_over_plain"]["ratios"]
+    for plain, codec, c in zip(mapl["ratios"], coded["ratios"], cost, strict=True):
+        assert plain / codec == pytest.approx(c, rel=1e-3)
+    assert result["reference"] == "both" and result["worst_arm"] in ("none", "mapl")
+    with pytest.raises(ValueError, match="interleav"):
+        measure("smoke", arms=["mapl"], repeats=1, global_steps=1, phases=False,
+                scratch=tmp_path, reference="both", interleave=False)
+
+
+def test_both_without_interleaving_is_refused_on_the_command_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        sim_throughput.main(["--reference", "both", "--separate"])
+    assert stop.value.code == 2
+    assert "--separate" in capsys.readouterr().err
