@@ -110,13 +110,18 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
     its out folder, store included, is under ./runs); tokens/s over the run's wall time (the
     trainer's construction - data loading, initialisation - is not timed).
 
-    With `reference`, H steps of the plain loop run after every global step (through `run`'s
-    `on_step` hook) and are timed on their own: both sides then see the same machine, global step
-    by global step, and the reference's time is taken out of the run's. `also` (with
+    With `reference`, H steps of that loop (plain, or with a codec) run after every global step
+    (through `run`'s `on_step` hook), and it scores the held-out windows after every evaluation;
+    both are timed on their own: both sides then see the same machine, global step by global
+    step, and the reference's time is taken out of the run's (the trainer's own `timing.eval_s`
+    still counts the loops' evaluations; the `evaluate` phase does not). `also` (with
     `reference`): a second loop interleaved the same way right after the first, timed on its
-    own (`also_tokens_per_s`), so that one run pairs the arm with two loops."""
+    own (`also_tokens_per_s`), so that one run pairs the arm with two loops. The order is fixed
+    (run, reference, also): each side follows one other side's work every global step, as with
+    one loop."""
+    if also is not None and reference is None:
+        raise ValueError("`also` is a second reference: give `reference` too")
     scratch.mkdir(parents=True, exist_ok=True)
-    assert also is None or reference is not None, "`also` is a second reference"
     loops = [loop for loop in (reference, also) if loop is not None]
     spent = [0.0 for _ in loops]
 
@@ -158,8 +163,8 @@ def crucible_run(config: Config, *, phases: bool = False, scratch: Path = Path("
     loop_s = summary["wall_s"] - ref_s
     result.update(loop_s=loop_s, reports_s=elapsed - loop_s,
                   loop_tokens_per_s=summary["tokens_processed"] / loop_s)
-    for key, loop, seconds in zip(("reference_tokens_per_s", "also_tokens_per_s"), loops, spent,
-                                  strict=False):
+    keys = ("reference_tokens_per_s", "also_tokens_per_s")[:len(loops)]
+    for key, loop, seconds in zip(keys, loops, spent, strict=True):
         steps = loop.done - 1  # less the warm-up step
         result[key] = steps * loop.tokens_per_step / seconds
     if phases:
@@ -193,13 +198,15 @@ def also_codec(arm: str, reference: str) -> str | None:
 def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | None,
             phases: bool, scratch: Path = Path("runs"), interleave: bool = True,
             reference: str = "plain") -> dict[str, Any]:
-    """Reference and Crucible arm by arm, `repeats` times; medians of the pairs' ratios. With
+    """Reference and Crucible arm by arm, `repeats` times; medians of the pairs' ratios, and
+    their mean with a 95% interval (`ratio_interval`). With
     `interleave` (the default) the reference runs inside each Crucible run, H steps after every
     global step; otherwise whole reference runs alternate with whole Crucible runs. `reference`:
     "plain" (no codec), "codec" (`reference_codec`) or "both": the target's plain pairs, and for
     the mapl arm, in the same runs, pairs with the loop that carries MAPL's codec
-    (`against_codec`) and that loop's speed over the plain one's (`codec_loop_over_plain`), the
-    codec's own cost to a plain loop, measured pair by pair (interleaved runs only)."""
+    (`against_codec`) and that loop's speed over the plain one's (`codec_loop_over_plain`): what
+    MAPL's codec costs a plain loop that trains and evaluates as the run does, pair by pair
+    (interleaved runs only)."""
     if reference == "both" and not interleave:
         raise ValueError("--reference both pairs two loops inside one run: it needs interleaving")
     pairs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
@@ -261,12 +268,14 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
                 "interval": ratio_interval(loop_costs[arm])}
     result["interleaved"] = interleave
     # which loop each arm was paired with: under "codec" the top-level `ratio`/`worst_arm` are
-    # the mapl arm's against its codec's loop and the others' against the plain one
+    # the mapl arm's against its codec's loop and the others' against the plain one; under
+    # "both" every arm's against the plain one (the mapl arm's other pairs: `against_codec`)
     result["reference"] = reference
     for arm in arms:
         result["arms"][arm]["reference_codec"] = reference_codec(arm, reference)
-        if also_codec(arm, reference) is not None:
-            result["arms"][arm]["also_codec"] = also_codec(arm, reference)
+        second = also_codec(arm, reference)
+        if second is not None:
+            result["arms"][arm]["also_codec"] = second
     return result
 
 
@@ -355,8 +364,17 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    if not arms:
+        parser.error("--arms names no arm; give a comma list of " + ", ".join(ARMS))
+    for flag, value in (("--repeats", args.repeats), ("--global-steps", args.global_steps),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.reference == "both" and not args.interleave:
         parser.error("--reference both pairs two loops inside one run: drop --separate")
+    if args.reference in ("codec", "both") and "mapl" not in arms:
+        parser.error(f"--reference {args.reference} changes the mapl arm's loop only: add mapl "
+                     "to --arms")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,6 +39,11 @@ def _sim_rows(data: dict) -> dict[str, list[str]]:
                      f"{r['ratio_loop']:.3f}",
                      *(f"{p[k]:.2f}" for k in ("inner_steps", "outer_sync", "evaluate", "other",
                                                "total"))]
+        if data.get("reference") == "both":   # the same runs' pairs with the codec's loop
+            coded = r.get("against_codec")
+            rows[arm] += ([f"{coded['ratio']:.3f}", interval_text(coded["interval"]),
+                           interval_text(r["codec_loop_over_plain"]["interval"])]
+                          if coded else ["-", "-", "-"])
     return rows
 
 
@@ -81,6 +86,20 @@ def test_a_changed_number_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sys.modules[__name__], "DOCS", tmp_path)
     with pytest.raises(AssertionError, match="mapl"):
         test_every_marked_table_matches_its_measurement()
+    # the intervals are checked too: the JSON's own, and the same runs' pairs with MAPL's loop
+    both = "sim_throughput-7e192b7-zen5-both.json"
+    original = (real / "measurements" / both).read_text()
+    for path in (("interval", "lo"), ("against_codec", "interval", "hi"),
+                 ("codec_loop_over_plain", "interval", "mean")):
+        changed = json.loads(original)
+        entry = changed["arms"]["mapl"]
+        for key in path[:-1]:
+            entry = entry[key]
+        entry[path[-1]] += 0.01
+        (tmp_path / "measurements" / both).write_text(json.dumps(changed))
+        with pytest.raises(AssertionError, match="mapl"):
+            test_every_marked_table_matches_its_measurement()
+    (tmp_path / "measurements" / both).write_text(original)
     # a marker parted from its table by a blank line is not skipped in silence
     text = (real / "PERFORMANCE.md").read_text().replace("amd.json -->\n|", "amd.json -->\n\n|", 1)
     (tmp_path / "PERFORMANCE.md").write_text(text)

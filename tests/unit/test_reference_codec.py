@@ -124,16 +124,56 @@ def test_both_pairs_the_mapl_arm_with_each_loop_in_the_same_runs(
     # the codec loop's speed over the plain loop's, pair by pair
     cost = mapl["codec_loop_over_plain"]["ratios"]
     for plain, codec, c in zip(mapl["ratios"], coded["ratios"], cost, strict=True):
-        assert plain / codec == pytest.approx(c, rel=1e-3)
+        assert plain / codec == pytest.approx(c, rel=1e-3)   # (the timing itself: next test)
     assert result["reference"] == "both" and result["worst_arm"] in ("none", "mapl")
     with pytest.raises(ValueError, match="interleav"):
         measure("smoke", arms=["mapl"], repeats=1, global_steps=1, phases=False,
                 scratch=tmp_path, reference="both", interleave=False)
 
 
+class _Loop:
+    """A reference loop whose steps and evaluations take a known time on the test's clock."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock, self.seconds, self.done, self.tokens_per_step = clock, seconds, 1, 1000
+
+    def step(self) -> None:
+        self.clock[0] += self.seconds
+        self.done += 1
+
+    def evaluate(self, windows) -> float:
+        self.clock[0] += 2 * self.seconds
+        return 0.0
+
+
+def test_each_interleaved_loop_is_timed_apart_and_taken_out_of_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the clock the benchmark (and the trainer) reads: real time plus what the loops "spend"
+    clock = [0.0]
+    real = sim_throughput.time.perf_counter
+    monkeypatch.setattr(sim_throughput.time, "perf_counter", lambda: real() + clock[0])
+    config = sim_throughput.arm_config("smoke", "mapl", global_steps=2)
+    plain, coded = _Loop(clock, 100.0), _Loop(clock, 300.0)
+    run = sim_throughput.crucible_run(config, scratch=tmp_path, reference=plain, also=coded)
+    steps = config.train.global_steps * config.sparseloco.inner_steps
+    assert plain.done == coded.done == steps + 1
+    # each loop's speed is its own time's (its evaluations included), not the other's
+    assert run["reference_tokens_per_s"] / run["also_tokens_per_s"] == pytest.approx(3, rel=1e-4)
+    assert run["reference_tokens_per_s"] < steps * 1000 / (100.0 * steps)
+    # and neither loop's 400 * steps "seconds" is left in the run's own wall time
+    assert 0 < run["wall_s"] < 100 and 0 < run["loop_s"] < 100
+    alone = sim_throughput.crucible_run(config, scratch=tmp_path, reference=_Loop(clock, 100.0))
+    assert "also_tokens_per_s" not in alone and 0 < alone["wall_s"] < 100
+    with pytest.raises(ValueError, match="second reference"):
+        sim_throughput.crucible_run(config, scratch=tmp_path, also=coded)
+
+
 def test_both_without_interleaving_is_refused_on_the_command_line(
         capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as stop:
-        sim_throughput.main(["--reference", "both", "--separate"])
-    assert stop.value.code == 2
-    assert "--separate" in capsys.readouterr().err
+    for argv, named in ((["--reference", "both", "--separate"], "--separate"),
+                        (["--reference", "both", "--arms", "none"], "add mapl"),
+                        (["--reference", "codec", "--arms", "ssn"], "add mapl")):
+        with pytest.raises(SystemExit) as stop:
+            sim_throughput.main(argv)
+        assert stop.value.code == 2
+        assert named in capsys.readouterr().err

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim_throughput import interval_text, measure, ratio_interval
+from benchmarks.sim_throughput import interval_text, main, measure, ratio_interval
 
 
 def test_a_mapl_run_and_its_reference_finish_with_every_phase_timed(tmp_path: Path) -> None:
@@ -32,3 +32,14 @@ def test_the_pairs_interval_is_students_t_over_the_pairs() -> None:
     assert ratio_interval([0.9, 1.0] * 4)["hi"] < interval["hi"]
     assert interval_text(interval) == "0.950 [0.315, 1.585]"
     assert interval_text(ratio_interval([0.9])) == "0.900 [-]"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--arms", ","], "--arms"), (["--arms", "fast"], "unknown arm"),
+    (["--repeats", "0"], "--repeats"), (["--global-steps", "-1"], "--global-steps"),
+    (["--threads", "0"], "--threads")])
+def test_a_bad_argument_exits_2_naming_it(argv: list[str], named: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and named in capsys.readouterr().err
