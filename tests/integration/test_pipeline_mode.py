@@ -277,19 +277,27 @@ def test_a_reroute_donor_whose_replica_drops_takes_its_borrower_along(tmp_path: 
     """Under reroute replica 0 runs stage 1 on replica 1's (its own is down by plan); a real
     kill of replica 1's stage 2 drops replica 1 for the rest of the round, so its stage 1 serves
     nobody: replica 0 drops too instead of waiting for its donor until the link timeout (it
-    once did, and the run failed)."""
+    once did, and the run failed).
+
+    Replica 0 drops only if the death reaches it while it still has inner steps to run through
+    the donor (a death after its last one drops nothing of its round). With the preset's 4
+    inner steps a round's inner phase takes about 0.2 s (the rounds' `inner_s`), and a kill 30%
+    into the round left it little time: on a loaded machine replica 0 once finished its inner
+    steps before the death reached it. So these rounds have 16 inner steps and the kill comes
+    10% in, leaving most of the inner phase after the notice."""
     import threading
 
     from crucible.distributed.pipeline.chaos import Kill, Killer
 
-    config = _config("none", "reroute", steps=7, p=0.0)
+    config = apply_overrides(_config("none", "reroute", steps=7, p=0.0),
+                             ["sparseloco.inner_steps=16"])
     plan = FaultPlan().down(replica=0, stage=1, start=2, steps=4)
     out = tmp_path / "pipe"
     result: dict = {}
     launch = threading.Thread(target=lambda: result.update(summary=launch_pipeline(
         config, out_dir=out, plan=plan, link_timeout_s=40)))
     launch.start()
-    killer = Killer(out, [Kill(replica=1, stage=2, global_step=3, fraction=0.3)], stages=4,
+    killer = Killer(out, [Kill(replica=1, stage=2, global_step=3, fraction=0.1)], stages=4,
                     alive=launch.is_alive)
     killer.start()
     launch.join()
