@@ -182,17 +182,20 @@ def reference_codec(arm: str, reference: str) -> str:
     """The codec the plain loop carries for `arm`: none for `--reference plain`; for
     `--reference codec`, MAPL's for the mapl arm (`benchmarks/reference.py`) and none for the
     others (SSN's fixed projections make its arm cheaper than the plain loop already)."""
-    if reference not in REFERENCES:
-        raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
+    _known(reference)
     return "mapl" if reference == "codec" and arm == "mapl" else "none"
 
 
 def also_codec(arm: str, reference: str) -> str | None:
     """`--reference both`: the codec of the second loop the mapl arm is paired with in the same
     run (MAPL's), besides the plain one `reference_codec` gives it; None for every other case."""
+    _known(reference)
+    return "mapl" if reference == "both" and arm == "mapl" else None
+
+
+def _known(reference: str) -> None:
     if reference not in REFERENCES:
         raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
-    return "mapl" if reference == "both" and arm == "mapl" else None
 
 
 def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | None,
@@ -257,12 +260,7 @@ def measure(preset: str, *, arms: list[str], repeats: int, global_steps: int | N
             result["arms"][arm]["timing_s"] = {
                 n: statistics.median(t[n] for t in timing_runs[arm]) for n in sorted(names)}
         if codec_pairs[arm]:
-            runs = codec_pairs[arm]
-            result["arms"][arm]["against_codec"] = {
-                "ratio": statistics.median(c / r for c, r in runs),
-                "ratios": [round(c / r, 4) for c, r in runs],
-                "interval": ratio_interval([c / r for c, r in runs]),
-                "reference_tokens_per_s": statistics.median(r for _, r in runs)}
+            result["arms"][arm]["against_codec"] = _pair_stats(codec_pairs[arm])
             result["arms"][arm]["codec_loop_over_plain"] = {
                 "ratios": [round(x, 4) for x in loop_costs[arm]],
                 "interval": ratio_interval(loop_costs[arm])}
@@ -295,19 +293,23 @@ def interval_text(interval: dict[str, Any]) -> str:
     return f"{interval['mean']:.3f} [{interval['lo']:.3f}, {interval['hi']:.3f}]"
 
 
+def _pair_stats(runs: list[tuple[float, float]]) -> dict[str, Any]:
+    """Of (crucible, reference) tokens/s pairs: the median ratio, every ratio, their mean with
+    its interval, and the reference's median speed."""
+    ratios = [c / r for c, r in runs]
+    return {"ratio": statistics.median(ratios), "ratios": [round(x, 4) for x in ratios],
+            "interval": ratio_interval(ratios),
+            "reference_tokens_per_s": statistics.median(r for _, r in runs)}
+
+
 def _summarise(preset: str, arms: list[str], pairs: dict[str, list[tuple[float, float]]],
                phase_runs: dict[str, list[dict[str, float]]],
                global_steps: int | None) -> dict[str, Any]:
     per_arm: dict[str, Any] = {}
     for arm in arms:
         runs = pairs[arm]
-        per_arm[arm] = {
-            "ratio": statistics.median(c / r for c, r in runs),
-            "crucible_tokens_per_s": statistics.median(c for c, _ in runs),
-            "reference_tokens_per_s": statistics.median(r for _, r in runs),
-            "ratios": [round(c / r, 4) for c, r in runs],
-            "interval": ratio_interval([c / r for c, r in runs]),
-        }
+        per_arm[arm] = {**_pair_stats(runs),
+                        "crucible_tokens_per_s": statistics.median(c for c, _ in runs)}
         if phase_runs[arm]:
             names = phase_runs[arm][0].keys()
             per_arm[arm]["phases_s"] = {n: statistics.median(p[n] for p in phase_runs[arm])
